@@ -1,0 +1,116 @@
+"""A model session: one request's KV cache, chain and tree forward passes, rollback.
+
+Used for the target model and for draft models alike. The session knows which
+token ids its cache holds (``cached``) so callers can roll it back or compact
+it after verification:
+
+* :meth:`forward` appends tokens after the cached prefix. Without ``parents``
+  the new tokens form a chain (plain causal attention). With ``parents`` they
+  form a tree: each token attends to the cached prefix and to its own ancestors
+  only, through a 4-D additive attention mask, at position
+  ``len(cached) + depth``.
+* :meth:`keep` drops the rejected tokens' KV entries after a tree pass and
+  moves the accepted ones into place; :meth:`truncate` is the chain rollback.
+
+Works with models whose decoder returns ``last_hidden_state`` and whose cache is
+a ``DynamicCache`` of full-attention layers (Llama, Mistral, Qwen, SmolLM...).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class ModelSession:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached: list[int] = []  # token ids whose KV entries are in the cache
+        self.hidden: torch.Tensor | None = None  # (q, hidden) final hidden states of the last pass
+
+    def __len__(self) -> int:
+        return len(self.cached)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], parents: list[int] | None = None) -> torch.Tensor:
+        """Append ``tokens`` and return their logits, (len(tokens), vocab).
+
+        parents: optional tree structure over the new tokens (index of each one's
+        parent among them, -1 for tokens that follow the cached prefix directly).
+        """
+        start = len(self.cached)
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # (1, q)
+        kwargs: dict = {}
+        if parents is not None and any(p != i - 1 for i, p in enumerate(parents)):
+            depths = _depths(parents)
+            kwargs["position_ids"] = (
+                torch.tensor(depths, dtype=torch.long, device=self.device) + start
+            ).unsqueeze(0)  # (1, q)
+            kwargs["attention_mask"] = tree_attention_mask(parents, start, self.dtype, self.device)
+        outputs = self.decoder(input_ids=input_ids, cache=self.cache, use_cache=True, **kwargs)
+        self.hidden = outputs.last_hidden_state[0]  # (q, hidden)
+        self.cached.extend(tokens)
+        return self.lm_head(self.hidden)  # (q, vocab)
+
+    def truncate(self, length: int) -> None:
+        """Roll the cache back to its first ``length`` tokens."""
+        if length >= len(self.cached):
+            return
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys = layer.keys[:, :, :length]
+                layer.values = layer.values[:, :, :length]
+        del self.cached[length:]
+
+    def keep(self, start: int, kept: list[int]) -> None:
+        """Keep, of the tokens appended at ``start``, only those at offsets ``kept``
+        (ascending), moved to ``start, start + 1, ...``; drop the rest.
+
+        The prefix before ``start`` is not copied: accepted entries are moved
+        in place, then the cache is cut.
+        """
+        end = start + len(kept)
+        if kept != list(range(len(kept))):
+            source = torch.tensor(kept, device=self.device) + start
+            for layer in self.cache.layers:
+                if getattr(layer, "is_initialized", False):
+                    layer.keys[:, :, start:end] = layer.keys[:, :, source]
+                    layer.values[:, :, start:end] = layer.values[:, :, source]
+            block = self.cached[start:]
+            self.cached[start:] = [block[i] for i in kept]
+        self.truncate(end)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_attention_mask(
+    parents: list[int], prefix_len: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive mask (1, 1, q, prefix_len + q): 0 where attention is allowed.
+
+    Every new token sees the whole cached prefix, itself and its ancestors.
+    """
+    q = len(parents)
+    ancestors = torch.zeros(q, q, dtype=torch.bool)  # ancestors[i, j]: j is i or an ancestor of i
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            ancestors[i] = ancestors[parent]
+        ancestors[i, i] = True
+    allowed = torch.cat([torch.ones(q, prefix_len, dtype=torch.bool), ancestors], dim=1)
+    mask = torch.zeros(q, prefix_len + q, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]

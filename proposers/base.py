@@ -1,0 +1,57 @@
+"""The Proposer contract: who guesses the next tokens.
+
+A proposer is built once per pipeline from its ``Config`` and a
+:class:`~decoders.context.PipelineContext` (target model, tokenizer, model
+config), then serves one request at a time:
+
+    begin(state)      a new request starts (prompt known, nothing generated)
+    propose(state)    return a Draft: tokens as a tree, optionally with draft_probs
+    observe(state, acceptance)
+                      the verifier's decision; sync any private state
+
+``state`` is the :class:`~decoders.decoding.DecodeState` of the request. A
+proposer decides its draft's shape from its own config, never from the verifier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from decoders.draft import Acceptance, Draft
+
+if TYPE_CHECKING:
+    from decoders.context import PipelineContext
+    from decoders.decoding import DecodeState
+
+
+class Proposer:
+    name: ClassVar[str]
+
+    @dataclass
+    class Config:
+        pass
+
+    #: True if, when sampling, tokens are drawn from the returned draft_probs;
+    #: False if they are chosen deterministically (draft_probs is None).
+    sampled: ClassVar[bool] = False
+    #: True if the proposer reads ``state.last_hidden`` (the target's final hidden
+    #: state at the position that produced the pending token).
+    needs_hidden: ClassVar[bool] = False
+
+    def __init__(self, config: "Proposer.Config", context: "PipelineContext") -> None:
+        self.config = config
+        self.context = context
+
+    def begin(self, state: "DecodeState") -> None:
+        """Reset per-request state."""
+
+    def propose(self, state: "DecodeState") -> Draft:
+        raise NotImplementedError
+
+    def observe(self, state: "DecodeState", acceptance: Acceptance) -> None:
+        """Called after each round with what the verifier decided."""
+
+    def describe(self) -> dict:
+        """Facts about the proposer worth recording with results."""
+        return {}
