@@ -171,7 +171,7 @@ def tiny_random_model(
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=4096,
         bos_token_id=256 if vocab_size >= BYTE_VOCAB else None,
         eos_token_id=257 if vocab_size >= BYTE_VOCAB else None,
         pad_token_id=258 if vocab_size >= BYTE_VOCAB else None,

@@ -1,0 +1,53 @@
+"""Turning a composed Hydra config into the project's objects.
+
+Every entry point (generate, bench, audit, train) composes a config from
+``conf/`` and the registries' structured configs, then calls these helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from decoders.models import ModelConfig
+from decoders.registry import import_plugins
+from decoders.sampling import SamplingConfig
+from decoders.workloads import WorkloadConfig
+
+CONF_DIR = "../conf"  # relative to the decoders/ and train/ packages
+
+
+def to_dataclass(cls: type, node: Any, what: str) -> Any:
+    """Build dataclass ``cls`` from a config node, naming unknown keys clearly."""
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)  # type: ignore[arg-type]
+    if unknown:
+        raise ValueError(f"{what} has no option(s) {unknown}; its options are {sorted(known)}")
+    return cls(**values)  # type: ignore[arg-type]
+
+
+def model_config(cfg: DictConfig) -> ModelConfig:
+    return to_dataclass(ModelConfig, cfg.model, "model")
+
+
+def sampling_config(cfg: DictConfig) -> SamplingConfig:
+    return to_dataclass(SamplingConfig, cfg.sampling, "sampling")
+
+
+def workload_config(cfg: DictConfig) -> WorkloadConfig:
+    return to_dataclass(WorkloadConfig, cfg.workload, "workload")
+
+
+def component(cfg: DictConfig, key: str) -> dict | None:
+    """The proposer/verifier section as a dict (with ``name``), or None if unset."""
+    node = cfg.get(key)
+    if node is None:
+        return None
+    return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+
+
+def load_plugins(cfg: DictConfig) -> None:
+    import_plugins(cfg.get("plugins") or [])

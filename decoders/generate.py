@@ -1,0 +1,56 @@
+"""Command line: generate one answer, streamed, then print the run's stats.
+
+    python -m decoders.generate prompt="What is speculative decoding?" proposer=ngram verifier=greedy
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from decoders.registry import import_plugins_from_argv
+
+import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
+
+from decoders import Pipeline  # noqa: E402
+from decoders.config import CONF_DIR, component, load_plugins, model_config, sampling_config  # noqa: E402
+
+
+def format_stats(stats) -> str:
+    lines = [
+        f"new tokens          {stats.new_tokens}",
+        f"tokens/s            {stats.tokens_per_s:.2f}",
+        f"target passes       {stats.target_passes} (+ prefill)",
+        f"mean accepted (tau) {stats.mean_accepted_tokens:.2f}",
+    ]
+    if stats.acceptance_rate is not None:
+        lines.append(f"acceptance rate     {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.proposed})")
+    lines.append(
+        f"time (s)            prefill {stats.prefill_time:.3f}  draft {stats.draft_time:.3f}  "
+        f"verify {stats.verify_time:.3f}  total {stats.wall_time:.3f}"
+    )
+    return "\n".join(lines)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="generate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    load_plugins(cfg)
+    pipeline = Pipeline.load(
+        model_config(cfg),
+        component(cfg, "proposer"),
+        component(cfg, "verifier"),
+        sampling_config(cfg),
+        artifacts_dir=cfg.artifacts_dir,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_strings=list(cfg.stop),
+        chat_template=cfg.chat_template,
+    )
+    result = pipeline.generate(cfg.prompt, on_text=lambda text: print(text, end="", flush=True))
+    print(f"\n\n[{pipeline.name}]", file=sys.stderr)
+    print(format_stats(result.stats), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

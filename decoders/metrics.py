@@ -1,0 +1,115 @@
+"""Benchmark metrics, aggregated from per-prompt records (names fixed by DESIGN.md).
+
+    tokens_per_s          sum of new tokens / sum of wall seconds (prefill included)
+    speedup               tokens_per_s / standard decoding's, same run, interleaved
+    mean_accepted_tokens  tau: tokens emitted per decode-phase target pass, bonus included
+    acceptance_rate       accepted draft tokens / proposed draft tokens
+    identical_outputs     share of prompts whose greedy output equals standard's
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Record:
+    """One contender on one prompt (one turn, one repeat)."""
+
+    prompt_id: str
+    category: str
+    turn: int
+    repeat: int
+    new_tokens: int
+    wall_time: float
+    tokens: list[int]
+    target_passes: int | None = None  # None for peers (not instrumented)
+    proposed: int | None = None
+    accepted: int | None = None
+    draft_time: float | None = None
+    verify_time: float | None = None
+    emitted_per_round: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def summarize(records: list[Record]) -> dict:
+    """tokens_per_s, tau and acceptance over a set of records (ratios of sums)."""
+    new_tokens = sum(r.new_tokens for r in records)
+    wall = sum(r.wall_time for r in records)
+    instrumented = [r for r in records if r.target_passes is not None]
+    tau = None
+    acceptance = None
+    if instrumented:
+        emitted = sum(sum(r.emitted_per_round) for r in instrumented)
+        tau = _ratio(emitted, sum(r.target_passes or 0 for r in instrumented))
+        acceptance = _ratio(sum(r.accepted or 0 for r in instrumented), sum(r.proposed or 0 for r in instrumented))
+    return {
+        "tokens_per_s": _ratio(new_tokens, wall) or 0.0,
+        "mean_accepted_tokens": tau,
+        "acceptance_rate": acceptance,
+        "new_tokens": new_tokens,
+        "wall_time": wall,
+    }
+
+
+def pipeline_entry(
+    name: str,
+    kind: str,
+    proposer: str | None,
+    verifier: str | None,
+    records: list[Record],
+    baseline: list[Record],
+    greedy: bool,
+) -> dict:
+    """One element of results.json's ``pipelines`` list."""
+    overall = summarize(records)
+    base = summarize(baseline)
+    entry = {
+        "name": name,
+        "proposer": proposer,
+        "verifier": verifier,
+        "kind": kind,
+        "tokens_per_s": overall["tokens_per_s"],
+        "speedup": _ratio(overall["tokens_per_s"], base["tokens_per_s"]) or 0.0,
+        "mean_accepted_tokens": overall["mean_accepted_tokens"],
+        "acceptance_rate": overall["acceptance_rate"],
+        "identical_outputs": identical_share(records, baseline) if greedy else None,
+        "new_tokens": overall["new_tokens"],
+        "wall_time": overall["wall_time"],
+    }
+    repeats = sorted({r.repeat for r in records})
+    if len(repeats) > 1:
+        speedups = [
+            summarize([r for r in records if r.repeat == k])["tokens_per_s"]
+            / summarize([r for r in baseline if r.repeat == k])["tokens_per_s"]
+            for k in repeats
+        ]
+        entry["speedup_mean"] = statistics.mean(speedups)
+        entry["speedup_std"] = statistics.stdev(speedups)
+    categories = {}
+    for category in dict.fromkeys(r.category for r in records):
+        mine = summarize([r for r in records if r.category == category])
+        theirs = summarize([r for r in baseline if r.category == category])
+        categories[category] = {
+            "tokens_per_s": mine["tokens_per_s"],
+            "speedup": _ratio(mine["tokens_per_s"], theirs["tokens_per_s"]) or 0.0,
+            "mean_accepted_tokens": mine["mean_accepted_tokens"],
+        }
+    entry["categories"] = categories
+    return entry
+
+
+def identical_share(records: list[Record], baseline: list[Record]) -> float | None:
+    reference = {(r.prompt_id, r.turn, r.repeat): r.tokens for r in baseline}
+    pairs = [(r.tokens, reference.get((r.prompt_id, r.turn, r.repeat))) for r in records]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    if not pairs:
+        return None
+    return sum(a == b for a, b in pairs) / len(pairs)
