@@ -1,0 +1,86 @@
+"""The target's pass cost T(n): seconds for one forward pass over n new tokens.
+
+Speculative decoding trades sequential passes for wider ones, so T(n)/T(1)
+decides what a draft of n tokens may cost. The curve is measured once per
+(model, device, dtype) on a fixed context and cached as JSON under
+``~/.cache/specdec/costs``. With tau and the draft cost D per round it gives a
+pipeline's physical limit: ideal speedup = tau * T(1) / (T(n) + D).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decoders.session import ModelSession
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class CostCurve:
+    """Median pass seconds by number of new tokens, linearly interpolated."""
+
+    seconds: dict[int, float]
+
+    def __call__(self, n: float) -> float:
+        sizes = sorted(self.seconds)
+        n = max(n, sizes[0])
+        if n >= sizes[-1]:  # extrapolate along the last segment
+            a, b = sizes[-2], sizes[-1]
+        else:
+            b = next(s for s in sizes if s >= n)
+            a = sizes[max(sizes.index(b) - 1, 0)]
+            if a == b:
+                return self.seconds[a]
+        slope = (self.seconds[b] - self.seconds[a]) / (b - a)
+        return self.seconds[a] + slope * (n - a)
+
+    def relative(self, n: float) -> float:
+        """T(n) / T(1)."""
+        return self(n) / self(1)
+
+
+@torch.inference_mode()
+def measure_cost_curve(
+    model: torch.nn.Module,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    context_len: int = 256,
+    repeats: int = 5,
+) -> CostCurve:
+    """Time chain passes of each size after a ``context_len``-token prefix."""
+    session = ModelSession(model)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (context_len,), generator=generator).tolist()
+    session.forward(prefix)
+    seconds: dict[int, float] = {}
+    for n in sizes:
+        tokens = torch.randint(0, vocab, (n,), generator=generator).tolist()
+        samples = []
+        for _ in range(repeats + 1):  # the first pass of each size warms up
+            start = time.perf_counter()
+            session.forward(tokens)
+            samples.append(time.perf_counter() - start)
+            session.truncate(context_len)
+        seconds[n] = sorted(samples[1:])[len(samples[1:]) // 2]
+    return CostCurve(seconds)
+
+
+def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> CostCurve:
+    """The cost curve of ``model`` (named ``key``), measured on first use."""
+    parameter = next(model.parameters())
+    device = parameter.device.type
+    dtype = str(parameter.dtype).removeprefix("torch.")
+    path = cache_dir / f"{key}-{device}-{dtype}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        return CostCurve({int(n): s for n, s in data["seconds"].items()})
+    curve = measure_cost_curve(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "device": device, "dtype": dtype, "seconds": curve.seconds}, indent=1))
+    return curve
