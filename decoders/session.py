@@ -71,6 +71,7 @@ class ModelSession:
                 layer.values = layer.values[:, :, :length]
         del self.cached[length:]
 
+    @torch.inference_mode()
     def keep(self, start: int, kept: list[int]) -> None:
         """Keep, of the tokens appended at ``start``, only those at offsets ``kept``
         (ascending), moved to ``start, start + 1, ...``; drop the rest.
@@ -86,7 +87,7 @@ class ModelSession:
                     layer.keys[:, :, start:end] = layer.keys[:, :, source]
                     layer.values[:, :, start:end] = layer.values[:, :, source]
             block = self.cached[start:]
-            self.cached[start:] = [block[i] for i in kept]
+            self.cached[start:end] = [block[i] for i in kept]  # same length: truncate cuts both
         self.truncate(end)
 
 
