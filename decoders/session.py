@@ -8,7 +8,8 @@ it after verification:
   the new tokens form a chain (plain causal attention). With ``parents`` they
   form a tree: each token attends to the cached prefix and to its own ancestors
   only, through a 4-D additive attention mask, at position
-  ``len(cached) + depth``.
+  ``len(cached) + depth``. A tree may also grow over several passes
+  (``tree_start``), as a draft model expanding its tree level by level does.
 * :meth:`keep` drops the rejected tokens' KV entries after a tree pass and
   moves the accepted ones into place; :meth:`truncate` is the chain rollback.
 
@@ -41,21 +42,34 @@ class ModelSession:
         return len(self.cached)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], parents: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: list[int], parents: list[int] | None = None, tree_start: int | None = None
+    ) -> torch.Tensor:
         """Append ``tokens`` and return their logits, (len(tokens), vocab).
 
         parents: optional tree structure over the new tokens (index of each one's
         parent among them, -1 for tokens that follow the cached prefix directly).
+        tree_start: for a tree grown over several passes (a draft tree expanded level
+            by level), the cache position where the tree begins; ``parents`` then
+            covers the tree's entries cached since ``tree_start`` followed by the new
+            tokens, indexed from ``tree_start``. Default: the tree is the new tokens.
         """
         start = len(self.cached)
+        tree_start = start if tree_start is None else tree_start
+        if parents is not None and len(parents) != start - tree_start + len(tokens):
+            raise ValueError(
+                f"parents has {len(parents)} entries but the tree holds {start - tree_start} cached "
+                f"and {len(tokens)} new tokens; give one parent per tree entry since tree_start."
+            )
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # (1, q)
         kwargs: dict = {}
         if parents is not None and any(p != i - 1 for i, p in enumerate(parents)):
-            depths = _depths(parents)
+            new_depths = _depths(parents)[start - tree_start :]
             kwargs["position_ids"] = (
-                torch.tensor(depths, dtype=torch.long, device=self.device) + start
+                torch.tensor(new_depths, dtype=torch.long, device=self.device) + tree_start
             ).unsqueeze(0)  # (1, q)
-            kwargs["attention_mask"] = tree_attention_mask(parents, start, self.dtype, self.device)
+            tree_mask = tree_attention_mask(parents, tree_start, self.dtype, self.device)
+            kwargs["attention_mask"] = tree_mask[:, :, start - tree_start :]  # (1, 1, q, start + q)
         outputs = self.decoder(input_ids=input_ids, cache=self.cache, use_cache=True, **kwargs)
         self.hidden = outputs.last_hidden_state[0]  # (q, hidden)
         self.cached.extend(tokens)

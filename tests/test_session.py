@@ -103,6 +103,29 @@ def test_every_tree_node_has_the_logits_of_its_path_run_as_a_chain(model, parent
         torch.testing.assert_close(tree_logits[node], expected, **TIGHT)
 
 
+def test_a_tree_grown_over_several_passes_has_the_logits_of_its_paths(model) -> None:
+    """Level-by-level growth (tree_start): later passes see only their own ancestors among
+    the tree entries already cached, not the whole cache."""
+    parents = [-1, -1, 0, 0, 1, 2, 4, 4]
+    tokens = [30, 31, 32, 33, 34, 35, 36, 37]
+    levels = [(0, 2), (2, 5), (5, 8)]  # node ranges fed per pass
+    session = ModelSession(model)
+    session.forward(PREFIX)
+    tree_start = len(session)
+    logits = torch.cat(
+        [session.forward(tokens[a:b], parents[:b], tree_start=tree_start) for a, b in levels]
+    )  # (8, vocab)
+    for node in range(len(parents)):
+        expected = chain_logits(model, PREFIX + [tokens[i] for i in path_to(parents, node)])[-1]
+        torch.testing.assert_close(logits[node], expected, **TIGHT)
+    session.keep(tree_start, [1, 4, 7])
+    torch.testing.assert_close(
+        session.forward([20]), chain_logits(model, PREFIX + [31, 34, 37, 20])[-1:], **TIGHT
+    )
+    with pytest.raises(ValueError, match="one parent per tree entry"):
+        session.forward([1, 2], [-1, 0, 1], tree_start=len(session))
+
+
 @pytest.mark.parametrize(
     "parents, accepted",
     [
