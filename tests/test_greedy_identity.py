@@ -1,0 +1,53 @@
+"""Every (proposer, lossless verifier) pair reproduces standard greedy decoding exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoders.registry import proposer_registry, verifier_registry
+from tests.conftest import random_prompts
+
+
+def lossless_verifiers() -> list[str]:
+    return [v for v in verifier_registry.names() if verifier_registry.get(v).lossless]
+
+
+def pipeline_or_skip(base, proposer, verifier):
+    try:
+        return base.with_components(proposer, verifier)
+    except FileNotFoundError as missing:  # needs a trained artifact: its own tests cover it
+        pytest.skip(str(missing))
+
+
+@pytest.mark.parametrize("verifier", lossless_verifiers())
+@pytest.mark.parametrize("proposer", proposer_registry.names())
+def test_greedy_output_equals_standard(tiny_pipeline, proposer, verifier):
+    pipeline = pipeline_or_skip(tiny_pipeline, proposer, verifier)
+    total_accepted = 0
+    for k in (1, 4):
+        pipeline.proposer.config.k = k
+        for prompt in random_prompts(5, seed=k):
+            for max_new in (1, 6, 24):
+                expected = tiny_pipeline.generate(prompt, max_new).tokens
+                result = pipeline.generate(prompt, max_new)
+                assert result.tokens == expected, (proposer, verifier, k, prompt, max_new)
+                assert result.stats.new_tokens == len(expected) <= max_new
+                total_accepted += result.stats.accepted
+    assert total_accepted > 0, "no draft token was ever accepted: the test exercised nothing"
+
+
+@pytest.mark.parametrize("proposer", proposer_registry.names())
+def test_eos_inside_a_draft_stops_generation(tiny_pipeline, proposer):
+    """Make a token the model produces mid-sequence an EOS: output stops right there,
+    even when the EOS arrives inside an accepted draft."""
+    pipeline = pipeline_or_skip(tiny_pipeline, proposer, "greedy")
+    for prompt in random_prompts(6, seed=11):
+        free = tiny_pipeline.generate(prompt, 30).tokens
+        eos = free[len(free) // 2]
+        expected = free[: free.index(eos) + 1]
+        tiny_pipeline.model.generation_config.eos_token_id = eos
+        try:
+            assert tiny_pipeline.generate(prompt, 30).tokens == expected
+            assert pipeline.generate(prompt, 30).tokens == expected
+        finally:
+            tiny_pipeline.model.generation_config.eos_token_id = 257

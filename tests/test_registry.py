@@ -1,0 +1,102 @@
+"""Registries: decorator registration, lookup errors, options validation, plugins."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+
+from decoders.draft import Draft
+from decoders.registry import (
+    RegistryError,
+    build,
+    import_plugins,
+    import_plugins_from_argv,
+    proposer_registry,
+    register_proposer,
+    verifier_registry,
+)
+from proposers.base import Proposer
+
+
+def test_builtins_are_registered():
+    assert {"ngram", "draft_model"} <= set(proposer_registry.names())
+    assert {"greedy", "rejection"} <= set(verifier_registry.names())
+
+
+def test_unknown_name_lists_the_registered_ones():
+    with pytest.raises(RegistryError) as error:
+        proposer_registry.get("nope")
+    message = str(error.value)
+    assert "unknown proposer 'nope'" in message
+    for name in proposer_registry.names():
+        assert name in message
+    assert "plugins=" in message
+
+
+def test_unknown_option_is_rejected(tiny_pipeline):
+    with pytest.raises(ValueError, match="has no option"):
+        build(proposer_registry, {"name": "ngram", "kk": 3}, context=tiny_pipeline.context)
+
+
+def test_invalid_option_values_name_the_fix(tiny_pipeline):
+    with pytest.raises(ValueError, match="proposer.k must be >= 1"):
+        tiny_pipeline.with_components({"name": "ngram", "k": 0}, "greedy")
+    with pytest.raises(ValueError, match="min_n"):
+        tiny_pipeline.with_components({"name": "ngram", "min_n": 3, "max_n": 2}, "greedy")
+
+
+def test_duplicate_name_is_refused():
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_proposer("ngram")
+        class Other(Proposer):
+            @dataclass
+            class Config:
+                pass
+
+
+def test_custom_proposer_registered_in_code_runs(tiny_pipeline):
+    @register_proposer("test_repeat_last")
+    class RepeatLast(Proposer):
+        @dataclass
+        class Config:
+            k: int = 2
+
+        def propose(self, state) -> Draft:
+            return Draft.chain([state.tokens[-1]] * self.config.k)
+
+    pipeline = tiny_pipeline.with_components({"name": "test_repeat_last", "k": 3}, "greedy")
+    prompt = [5, 6, 7, 7, 7]
+    assert pipeline.generate(prompt, 20).tokens == tiny_pipeline.generate(prompt, 20).tokens
+    assert pipeline.proposer.config.k == 3
+
+
+def test_plugins_are_imported_from_argv(tmp_path, monkeypatch):
+    module = tmp_path / "my_test_plugin.py"
+    module.write_text(
+        textwrap.dedent(
+            """
+            from dataclasses import dataclass
+            from decoders import Draft, register_proposer
+            from proposers.base import Proposer
+
+            @register_proposer("argv_plugin")
+            class ArgvPlugin(Proposer):
+                @dataclass
+                class Config:
+                    k: int = 1
+
+                def propose(self, state):
+                    return Draft.empty()
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import_plugins_from_argv(["model=tiny-random", "plugins=[my_test_plugin]"])
+    assert "argv_plugin" in proposer_registry.names()
+    with pytest.raises(ImportError, match="plugins"):
+        import_plugins(["no_such_module_xyz"])
+    sys.modules.pop("my_test_plugin", None)
