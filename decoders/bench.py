@@ -3,12 +3,22 @@
     python -m decoders.bench                                  # every available pipeline
     python -m decoders.bench proposer=ngram verifier=greedy bench.peers=true
     python -m decoders.bench workload=spec_bench workload.path=question.jsonl workload.limit=2
+    python -m decoders.bench -m proposer=ngram proposer.k=2,4,8    # a sweep: one job per value
+    python -m decoders.report multirun/DATE_TIME                  # the sweep's comparison table
 
-All contenders share one process and one loaded target. After a warm-up they
-run prompt by prompt, interleaved (the order rotates from prompt to prompt), so
-slow drift of the machine hits them alike; speedups are ratios measured side by
-side. results.json is rewritten after every prompt, so an interrupted run keeps
-what it finished.
+All contenders share one process and one loaded target. The target's pass cost
+curve T(n) is taken first (cached per model/device/dtype), then every contender
+warms up, then they run prompt by prompt, interleaved (the order rotates from
+prompt to prompt and repeat to repeat), so slow drift of the machine hits them
+alike; speedups are ratios measured side by side. Multi-turn prompts
+(``workload.turns=2``) feed standard decoding's first answer back as the
+assistant turn, so every contender sees the same second-turn context.
+
+Outputs land in Hydra's output directory (``outputs/bench/DATE_TIME/`` for a
+single run, ``multirun/DATE_TIME/JOB/`` per sweep job): results.json (rewritten
+after every prompt, so an interrupted run keeps what it finished), the PNG
+plots next to it, and the offline W&B run (``logger=disabled`` turns it off).
+``bench.output=PATH`` puts results.json (and the plots) elsewhere.
 """
 
 from __future__ import annotations
@@ -17,9 +27,10 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -38,10 +49,13 @@ from decoders.config import (  # noqa: E402
     sampling_config,
     workload_config,
 )
-from decoders.metrics import Record, pipeline_entry  # noqa: E402
+from decoders.cost import CostCurve, cached_cost_curve  # noqa: E402
+from decoders.metrics import Record, first_divergence, physical_limit, pipeline_entry  # noqa: E402
 from decoders.models import load_model, resolve_device  # noqa: E402
 from decoders.peers import make_peers  # noqa: E402
+from decoders.plots import bench_plots  # noqa: E402
 from decoders.registry import proposer_registry  # noqa: E402
+from decoders.tracking import log_benchmark  # noqa: E402
 from decoders.workloads import Prompt, load_workload  # noqa: E402
 
 
@@ -103,20 +117,29 @@ def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
     return pipelines
 
 
-def prompt_turns(pipeline: Pipeline, prompt: Prompt, first_answers: dict[str, str]) -> list[list[int]]:
-    """Token ids of each turn; turn 2 carries the standard pipeline's first answer."""
-    turns = []
-    for turn, text in enumerate(prompt.turns):
-        if turn == 0:
-            turns.append(pipeline.encode(text))
-        else:
-            messages = [
-                {"role": "user", "content": prompt.turns[0]},
-                {"role": "assistant", "content": first_answers.get(prompt.id, "")},
-                {"role": "user", "content": text},
-            ]
-            turns.append(pipeline.encode(messages))
-    return turns
+def turn_ids(pipeline: Pipeline, prompt: Prompt, turn: int, first_answer: str | None) -> list[int]:
+    """Token ids of one turn; the second turn carries the model's first answer.
+
+    Built only once turn 0 has run, since ``first_answer`` is what standard
+    decoding answered to it.
+    """
+    if turn == 0:
+        return pipeline.encode(prompt.turns[0])
+    if first_answer is None:
+        raise RuntimeError(f"turn {turn} of prompt {prompt.id} needs standard decoding's first answer")
+    messages = [
+        {"role": "user", "content": prompt.turns[0]},
+        {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": prompt.turns[turn]},
+    ]
+    return pipeline.encode(messages)
+
+
+def target_cost_curve(cfg: DictConfig, base: Pipeline, output: Path) -> CostCurve:
+    """T(n) of the target, from the shared cache or (bench.cost_cache=false) measured
+    afresh into the output directory. Called before any contender is timed."""
+    cache = base.context.cost_cache_dir if cfg.bench.cost_cache else output.parent
+    return cached_cost_curve(base.model, base.context.target_key, cache)
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -128,9 +151,17 @@ def write_json(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def results_payload(cfg: DictConfig, base: Pipeline, contenders, records, prompts_done: int) -> dict:
+def results_payload(
+    cfg: DictConfig,
+    base: Pipeline,
+    contenders: list[Contender],
+    records: dict[str, list[Record]],
+    prompts_done: int,
+    cost_curve: CostCurve,
+) -> dict:
     sampling = base.sampling
     baseline = records["standard"]
+    reference = {(r.prompt_id, r.turn, r.repeat): r.tokens for r in baseline}
     pipelines = []
     for contender in contenders:
         entry = pipeline_entry(
@@ -142,10 +173,25 @@ def results_payload(cfg: DictConfig, base: Pipeline, contenders, records, prompt
             baseline,
             sampling.greedy,
         )
+        limit = (
+            physical_limit(records[contender.name], cost_curve) if contender.kind == "speculative" else None
+        )
+        entry["ideal_speedup"] = limit["ideal_speedup"] if limit else None
+        entry["efficiency"] = entry["speedup"] / limit["ideal_speedup"] if limit else None
+        if limit:
+            entry["mean_draft_size"] = limit["mean_draft_size"]
+            entry["draft_seconds_per_round"] = limit["draft_seconds_per_round"]
         entry["lossless"] = contender.lossless
         if contender.info:
             entry["info"] = contender.info
-        entry["records"] = [r.as_dict() for r in records[contender.name]]
+        entry["records"] = []
+        for record in records[contender.name]:
+            row = record.as_dict()
+            if sampling.greedy:  # where this output leaves standard greedy decoding's, if it does
+                row["diverges_at"] = first_divergence(
+                    record.tokens, reference[(record.prompt_id, record.turn, record.repeat)]
+                )
+            entry["records"].append(row)
         pipelines.append(entry)
     return {
         "model": base.context.target_key,
@@ -157,7 +203,13 @@ def results_payload(cfg: DictConfig, base: Pipeline, contenders, records, prompt
         "max_new_tokens": cfg.bench.max_new_tokens,
         "prompts": prompts_done,
         "workload": cfg.workload.name,
+        "workload_path": cfg.workload.path,
         "repeats": cfg.bench.repeats,
+        "turns": cfg.workload.turns,
+        "cost_curve": {
+            "sizes": sorted(cost_curve.seconds),
+            "seconds": [cost_curve.seconds[n] for n in sorted(cost_curve.seconds)],
+        },
         "config": OmegaConf.to_container(cfg, resolve=True),
         "pipelines": pipelines,
     }
@@ -191,6 +243,7 @@ def run_benchmark(cfg: DictConfig) -> dict:
         f"dtype {base.session.dtype}",
         file=sys.stderr,
     )
+    cost_curve = target_cost_curve(cfg, base, output)
 
     warm_ids = base.encode(prompts[0].turns[0])
     for contender in tqdm(contenders, desc="warm-up", leave=False):
@@ -203,19 +256,34 @@ def run_benchmark(cfg: DictConfig) -> dict:
     progress = tqdm(prompts, desc="prompts")
     try:
         for number, prompt in enumerate(progress):
-            for turn, prompt_ids in enumerate(prompt_turns(base, prompt, first_answers)):
+            for turn in range(len(prompt.turns)):
+                prompt_ids = turn_ids(base, prompt, turn, first_answers.get(prompt.id))
                 for repeat in range(cfg.bench.repeats):
                     shift = (number + repeat) % len(contenders)
                     for contender in contenders[shift:] + contenders[:shift]:
                         record = contender.run(prompt_ids, max_new)
-                        record = replace(record, prompt_id=prompt.id, category=prompt.category, turn=turn, repeat=repeat)
+                        text = (
+                            tokenizer.decode(record.tokens, skip_special_tokens=True) if tokenizer else None
+                        )
+                        record = replace(
+                            record,
+                            prompt_id=prompt.id,
+                            category=prompt.category,
+                            turn=turn,
+                            repeat=repeat,
+                            text=text,
+                        )
                         records[contender.name].append(record)
-                        if contender.kind == "standard" and turn == 0 and repeat == 0 and tokenizer is not None:
-                            first_answers[prompt.id] = tokenizer.decode(record.tokens, skip_special_tokens=True)
-            payload = results_payload(cfg, base, contenders, records, number + 1)
+                        if contender.kind == "standard" and turn == 0 and repeat == 0 and text is not None:
+                            first_answers[prompt.id] = text
+            payload = results_payload(cfg, base, contenders, records, number + 1, cost_curve)
             write_json(output, payload)
             progress.set_postfix(
-                {e["name"][:14]: f"{e['speedup']:.2f}x" for e in payload["pipelines"] if e["kind"] != "standard"}
+                {
+                    e["name"][:14]: f"{e['speedup']:.2f}x"
+                    for e in payload["pipelines"]
+                    if e["kind"] != "standard"
+                }
             )
     except KeyboardInterrupt:
         print(f"\n[bench] interrupted: results of the finished prompts are in {output}", file=sys.stderr)
@@ -224,8 +292,18 @@ def run_benchmark(cfg: DictConfig) -> dict:
 
 
 def format_table(payload: dict) -> str:
-    header = f"{'pipeline':<28} {'kind':<11} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'accept':>7} {'same':>6}"
-    lines = [header, "-" * len(header)]
+    """The results as a text table; ``±`` is the standard deviation of the speedup over
+    repeats, ``ideal`` the physical limit and ``eff`` measured / ideal speedup."""
+    header = (
+        f"{'pipeline':<28} {'kind':<11} {'tok/s':>8} {'speedup':>8} {'±':>5} {'tau':>6} {'accept':>7} "
+        f"{'same':>6} {'ideal':>6} {'eff':>5}"
+    )
+    title = (
+        f"{payload['model']} ({payload['dtype']}, {payload['device']}), {payload['workload']}: "
+        f"{payload['prompts']} prompts x {payload['turns']} turn(s) x {payload['repeats']} repeat(s), "
+        f"temperature {payload['temperature']}, max_new_tokens {payload['max_new_tokens']}"
+    )
+    lines = [title, header, "-" * len(header)]
 
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-"
@@ -233,10 +311,24 @@ def format_table(payload: dict) -> str:
     for e in payload["pipelines"]:
         lines.append(
             f"{e['name']:<28} {e['kind']:<11} {e['tokens_per_s']:>8.2f} {e['speedup']:>7.2f}x "
-            f"{fmt(e['mean_accepted_tokens'], '6.2f'):>6} {fmt(e['acceptance_rate'], '7.3f'):>7} "
-            f"{fmt(e['identical_outputs'], '6.2f'):>6}"
+            f"{fmt(e.get('speedup_std'), '5.2f'):>5} {fmt(e['mean_accepted_tokens'], '6.2f'):>6} "
+            f"{fmt(e['acceptance_rate'], '7.3f'):>7} {fmt(e['identical_outputs'], '6.2f'):>6} "
+            f"{fmt(e['ideal_speedup'], '5.2f') + ('x' if e['ideal_speedup'] else ''):>6} "
+            f"{fmt(e['efficiency'], '5.2f'):>5}"
         )
     return "\n".join(lines)
+
+
+def publish(cfg: DictConfig, payload: dict) -> None:
+    """After a finished run: the plots next to results.json, then the W&B run.
+
+    results.json is already on disk, so a failing plot or W&B never loses results.
+    """
+    output = Path(cfg.bench.output)
+    images = bench_plots(payload, output.parent) if cfg.bench.plots else []
+    for image in images:
+        print(f"[bench] wrote {image}", file=sys.stderr)
+    log_benchmark(cfg, payload, images)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="bench", version_base="1.3")
@@ -245,6 +337,7 @@ def main(cfg: DictConfig) -> None:
     payload = run_benchmark(cfg)
     print(format_table(payload))
     print(f"[bench] wrote {cfg.bench.output}", file=sys.stderr)
+    publish(cfg, payload)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Every entry point (generate, bench, audit, train) composes a config from
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -16,7 +17,8 @@ from decoders.registry import import_plugins
 from decoders.sampling import SamplingConfig
 from decoders.workloads import WorkloadConfig
 
-CONF_DIR = "../conf"  # relative to the decoders/ and train/ packages
+# Absolute, so the Hydra entry points also find it when imported and called in-process (tests).
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def to_dataclass(cls: type, node: Any, what: str) -> Any:

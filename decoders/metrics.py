@@ -5,11 +5,18 @@
     mean_accepted_tokens  tau: tokens emitted per decode-phase target pass, bonus included
     acceptance_rate       accepted draft tokens / proposed draft tokens
     identical_outputs     share of prompts whose greedy output equals standard's
+
+and the physical limit of a speculative pipeline, from the target's pass cost
+curve T(n) (decoders/cost.py):
+
+    ideal_speedup         tau * T(1) / (T(mean draft size + 1) + draft seconds per round)
+    efficiency            speedup / ideal_speedup
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 
@@ -30,6 +37,7 @@ class Record:
     draft_time: float | None = None
     verify_time: float | None = None
     emitted_per_round: list[int] = field(default_factory=list)
+    text: str | None = None  # decoded output, when the model has a tokenizer
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,7 +57,9 @@ def summarize(records: list[Record]) -> dict:
     if instrumented:
         emitted = sum(sum(r.emitted_per_round) for r in instrumented)
         tau = _ratio(emitted, sum(r.target_passes or 0 for r in instrumented))
-        acceptance = _ratio(sum(r.accepted or 0 for r in instrumented), sum(r.proposed or 0 for r in instrumented))
+        acceptance = _ratio(
+            sum(r.accepted or 0 for r in instrumented), sum(r.proposed or 0 for r in instrumented)
+        )
     return {
         "tokens_per_s": _ratio(new_tokens, wall) or 0.0,
         "mean_accepted_tokens": tau,
@@ -84,15 +94,7 @@ def pipeline_entry(
         "new_tokens": overall["new_tokens"],
         "wall_time": overall["wall_time"],
     }
-    repeats = sorted({r.repeat for r in records})
-    if len(repeats) > 1:
-        speedups = [
-            summarize([r for r in records if r.repeat == k])["tokens_per_s"]
-            / summarize([r for r in baseline if r.repeat == k])["tokens_per_s"]
-            for k in repeats
-        ]
-        entry["speedup_mean"] = statistics.mean(speedups)
-        entry["speedup_std"] = statistics.stdev(speedups)
+    entry.update(repeat_spread(records, baseline))
     categories = {}
     for category in dict.fromkeys(r.category for r in records):
         mine = summarize([r for r in records if r.category == category])
@@ -104,6 +106,57 @@ def pipeline_entry(
         }
     entry["categories"] = categories
     return entry
+
+
+def repeat_spread(records: list[Record], baseline: list[Record]) -> dict:
+    """Mean and sample standard deviation over repeats of tokens_per_s and speedup.
+
+    Each repeat is one interleaved pass over the whole workload, so its speedup
+    is a ratio of sums like the headline figure. Empty with a single repeat.
+    """
+    repeats = sorted({r.repeat for r in records})
+    if len(repeats) < 2:
+        return {}
+    rates = [summarize([r for r in records if r.repeat == k])["tokens_per_s"] for k in repeats]
+    base_rates = [summarize([r for r in baseline if r.repeat == k])["tokens_per_s"] for k in repeats]
+    speedups = [rate / base if base else 0.0 for rate, base in zip(rates, base_rates)]
+    return {
+        "tokens_per_s_mean": statistics.mean(rates),
+        "tokens_per_s_std": statistics.stdev(rates),
+        "speedup_mean": statistics.mean(speedups),
+        "speedup_std": statistics.stdev(speedups),
+    }
+
+
+def physical_limit(records: list[Record], pass_seconds: Callable[[float], float]) -> dict | None:
+    """The speedup this pipeline's tau allows if only target passes and drafting cost time.
+
+    pass_seconds: T(n), seconds of one target pass over n new tokens. A round
+    verifies the pending token plus the draft, so it costs T(mean draft size + 1)
+    plus the draft's own time; standard decoding costs T(1) per token. None for
+    contenders without per-round counters (peers).
+    """
+    instrumented = [r for r in records if r.target_passes]
+    passes = sum(r.target_passes or 0 for r in instrumented)
+    if not passes:
+        return None
+    tau = sum(sum(r.emitted_per_round) for r in instrumented) / passes
+    mean_draft_size = sum(r.proposed or 0 for r in instrumented) / passes
+    draft_seconds = sum(r.draft_time or 0.0 for r in instrumented) / passes
+    ideal = tau * pass_seconds(1) / (pass_seconds(mean_draft_size + 1) + draft_seconds)
+    return {
+        "ideal_speedup": ideal,
+        "mean_draft_size": mean_draft_size,
+        "draft_seconds_per_round": draft_seconds,
+    }
+
+
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """Index of the first token where ``tokens`` differs from ``reference`` (None if equal)."""
+    for index, (token, expected) in enumerate(zip(tokens, reference)):
+        if token != expected:
+            return index
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
 def identical_share(records: list[Record], baseline: list[Record]) -> float | None:

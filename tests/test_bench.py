@@ -1,0 +1,180 @@
+"""The benchmark CLI end to end on the tiny model: results file, metrics, turns, plots, interrupts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decoders import bench
+from decoders.metrics import Record, first_divergence, physical_limit, repeat_spread
+from tests.bench_helpers import run_bench, tiny_overrides, write_workload
+
+TOP_LEVEL = {
+    "model": str,
+    "dtype": str,
+    "device": str,
+    "temperature": float,
+    "max_new_tokens": int,
+    "prompts": int,
+    "workload": str,
+    "pipelines": list,
+}
+PIPELINE_FIELDS = {
+    "name",
+    "proposer",
+    "verifier",
+    "kind",
+    "tokens_per_s",
+    "speedup",
+    "mean_accepted_tokens",
+    "acceptance_rate",
+    "identical_outputs",
+    "categories",
+}
+
+
+def test_bench_cli_greedy_two_turns_with_repeats_and_peers(tmp_path, monkeypatch):
+    """Every DESIGN.md field, lossless greedy outputs, turn 2 fed the model's first answer."""
+    workload = write_workload(tmp_path)
+    fed_answers: dict[str, str | None] = {}
+    turn_ids = bench.turn_ids
+
+    def spy(pipeline, prompt, turn, first_answer):
+        if turn == 1:
+            fed_answers[prompt.id] = first_answer
+        return turn_ids(pipeline, prompt, turn, first_answer)
+
+    monkeypatch.setattr(bench, "turn_ids", spy)
+    run_dir = tmp_path / "run"
+    overrides = ["proposer=ngram", "workload.turns=2", "bench.repeats=2", "bench.peers=true"]
+    run_bench(monkeypatch, tiny_overrides(workload, f"hydra.run.dir={run_dir}", *overrides))
+
+    results = json.loads((run_dir / "results.json").read_text())  # bench.output defaults to the run dir
+    for key, kind in TOP_LEVEL.items():
+        assert isinstance(results[key], kind), key
+    assert results["model"].startswith("tiny-random") and results["dtype"] == "float64"
+    assert (results["temperature"], results["max_new_tokens"], results["prompts"]) == (0.0, 8, 3)
+    pipelines = {p["name"]: p for p in results["pipelines"]}
+    assert set(pipelines) == {"standard", "ngram+greedy", "hf_generate", "hf_prompt_lookup"}
+    for entry in results["pipelines"]:
+        assert PIPELINE_FIELDS <= set(entry), entry["name"]
+        assert set(entry["categories"]) == {"qa", "rag"}
+        for category in entry["categories"].values():
+            assert {"tokens_per_s", "speedup", "mean_accepted_tokens"} <= set(category)
+        assert len(entry["records"]) == 3 * 2 * 2  # prompts x turns x repeats
+
+    standard, ngram = pipelines["standard"], pipelines["ngram+greedy"]
+    assert standard["kind"] == "standard" and standard["speedup"] == 1.0
+    assert standard["mean_accepted_tokens"] == 1.0 and standard["identical_outputs"] == 1.0
+    assert (ngram["kind"], ngram["proposer"], ngram["verifier"]) == ("speculative", "ngram", "greedy")
+    assert ngram["identical_outputs"] == 1.0
+    assert all(r["diverges_at"] is None for r in ngram["records"])
+    assert ngram["mean_accepted_tokens"] > 1.0 and 0.0 < ngram["acceptance_rate"] <= 1.0
+    assert {pipelines[name]["kind"] for name in ("hf_generate", "hf_prompt_lookup")} == {"peer"}
+
+    # Spread over the two repeats, and the physical limit from the measured T(n).
+    assert ngram["speedup_std"] >= 0.0 and ngram["speedup_mean"] > 0.0
+    assert ngram["ideal_speedup"] > 0.0
+    assert ngram["efficiency"] == pytest.approx(ngram["speedup"] / ngram["ideal_speedup"])
+    assert standard["ideal_speedup"] is None and pipelines["hf_generate"]["efficiency"] is None
+    curve = results["cost_curve"]
+    assert curve["sizes"][0] == 1 and len(curve["sizes"]) == len(curve["seconds"])
+    assert all(seconds > 0 for seconds in curve["seconds"])
+
+    # Decoded text per record; turn 2 carried standard decoding's turn-1 answer.
+    first_turn = {
+        r["prompt_id"]: r["text"] for r in standard["records"] if r["turn"] == 0 and r["repeat"] == 0
+    }
+    assert all(isinstance(r["text"], str) for r in standard["records"])
+    assert fed_answers == first_turn
+    assert {r["turn"] for r in ngram["records"]} == {0, 1}
+
+    for plot in ("speedup_by_category.png", "tau_distribution.png", "cost_curve.png"):
+        image = run_dir / plot
+        assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+
+
+def test_bench_cli_sampling(tmp_path, monkeypatch):
+    """Temperature > 0: the rejection verifier, no greedy identity claim, sane tau."""
+    output = tmp_path / "out" / "sampled.json"
+    overrides = ["proposer=ngram", "sampling.temperature=0.8", "sampling.top_k=20", f"bench.output={output}"]
+    overrides += [f"hydra.run.dir={tmp_path / 'run'}", "bench.plots=false"]
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), *overrides))
+
+    results = json.loads(output.read_text())
+    assert results["temperature"] == 0.8
+    ngram = next(p for p in results["pipelines"] if p["kind"] == "speculative")
+    assert ngram["verifier"] == "rejection"
+    assert ngram["identical_outputs"] is None and "diverges_at" not in ngram["records"][0]
+    assert 1.0 <= ngram["mean_accepted_tokens"] <= 1 + 5  # at most k drafted tokens + 1 per pass
+    assert all(r["new_tokens"] == len(r["tokens"]) for r in ngram["records"])
+    assert not list(output.parent.glob("*.png"))
+
+
+def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch):
+    """Ctrl-C during the third prompt: results.json holds the two finished prompts."""
+    make_contender = bench.pipeline_contender
+
+    def interrupting_contender(pipeline):
+        contender = make_contender(pipeline)
+        if contender.kind != "speculative":
+            return contender
+        calls = []
+        run = contender.run
+
+        def run_until_third_prompt(prompt_ids, max_new_tokens):
+            calls.append(prompt_ids)
+            if len(calls) == 1 + 3:  # warm-up, prompt 1, prompt 2, then the third prompt
+                raise KeyboardInterrupt
+            return run(prompt_ids, max_new_tokens)
+
+        contender.run = run_until_third_prompt
+        return contender
+
+    monkeypatch.setattr(bench, "pipeline_contender", interrupting_contender)
+    run_dir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(
+            monkeypatch,
+            tiny_overrides(write_workload(tmp_path), "proposer=ngram", f"hydra.run.dir={run_dir}"),
+        )
+
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["prompts"] == 2
+    assert all(len(p["records"]) == 2 for p in results["pipelines"])
+    assert [r["prompt_id"] for r in results["pipelines"][0]["records"]] == ["a", "c"]  # grouped by category
+
+
+def _record(repeat: int, wall_time: float, **counters) -> Record:
+    return Record("p", "qa", 0, repeat, 8, wall_time, list(range(8)), **counters)
+
+
+def test_repeat_spread_is_mean_and_sample_std_of_per_repeat_ratios():
+    baseline = [_record(0, 1.0), _record(1, 1.0)]
+    records = [_record(0, 0.5), _record(1, 0.25)]  # speedups 2 and 4
+    spread = repeat_spread(records, baseline)
+    assert spread["speedup_mean"] == pytest.approx(3.0)
+    assert spread["speedup_std"] == pytest.approx(2**0.5)
+    assert repeat_spread(records[:1], baseline[:1]) == {}
+
+
+def test_physical_limit_follows_its_formula():
+    """tau * T(1) / (T(mean draft + 1) + draft seconds per round), with T(n) = 1 + n / 10."""
+    records = [
+        _record(0, 1.0, target_passes=2, proposed=6, accepted=4, draft_time=0.2, emitted_per_round=[3, 3]),
+        _record(1, 1.0, target_passes=2, proposed=2, accepted=0, draft_time=0.2, emitted_per_round=[1, 1]),
+    ]
+    limit = physical_limit(records, lambda n: 1 + n / 10)
+    tau, mean_draft, draft_seconds = 8 / 4, 8 / 4, 0.4 / 4
+    assert limit["mean_draft_size"] == mean_draft and limit["draft_seconds_per_round"] == pytest.approx(
+        draft_seconds
+    )
+    assert limit["ideal_speedup"] == pytest.approx(tau * 1.1 / (1 + (mean_draft + 1) / 10 + draft_seconds))
+    assert physical_limit([_record(0, 1.0)], lambda n: 1.0) is None  # peers have no counters
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 4], [1, 2, 3]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
