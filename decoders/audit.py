@@ -1,0 +1,561 @@
+"""Command line: audit a pipeline's fidelity to standard decoding.
+
+    python -m decoders.audit proposer=ngram verifier=greedy
+    python -m decoders.audit proposer=ngram verifier=rejection sampling.temperature=1.0
+    python -m decoders.audit model=tiny-random model.vocab_size=16 model.dtype=float64 \
+        proposer=draft_model verifier=rejection sampling.temperature=1.0
+
+Two checks; the verdict is printed and the figures written to ``audit.output``:
+
+* **greedy**: the pipeline's verifier at temperature 0 must reproduce standard
+  greedy decoding token for token. Each prompt where it does not is a
+  *divergence*: prompt id, position, both tokens and the target's logit gap
+  between them there (standard's token minus the pipeline's, from a plain target
+  pass over the common prefix). A divergence whose gap is within
+  ``audit.tie_tolerance`` is a floating-point tie and does not fail the audit.
+* **sampling** (only when sampling.temperature > 0): the first
+  ``audit.sampled_tokens`` generated tokens must have standard decoding's
+  distribution. With a vocabulary of at most ``audit.max_enumerable_vocab``
+  tokens, standard decoding's distribution is computed exactly by enumerating
+  prefixes and the pipeline's samples (one per seed) get a chi-square
+  goodness-of-fit test. Otherwise the pipeline's and standard decoding's samples
+  (disjoint seeds) get a two-sample chi-square test. Both tests follow the chain
+  rule: the first token's distribution, then the next token's after each sampled
+  prefix, each over the most frequent tokens with the rare ones binned together.
+  The statistics of these conditional tests, and of independent prompts, add up.
+
+A lossy verifier (``lossless = False``) is refused unless
+``audit.require_lossless=false``, in which case the audit measures its loss.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from decoders.registry import import_plugins_from_argv
+
+import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
+
+from decoders import Pipeline  # noqa: E402
+from decoders.bench import write_json  # noqa: E402
+from decoders.config import (  # noqa: E402
+    CONF_DIR,
+    component,
+    load_plugins,
+    model_config,
+    sampling_config,
+    to_dataclass,
+    workload_config,
+)
+from decoders.metrics import first_divergence  # noqa: E402
+from decoders.models import load_model  # noqa: E402
+from decoders.registry import verifier_registry  # noqa: E402
+from decoders.sampling import SamplingConfig, check_finite, processed_probs  # noqa: E402
+from decoders.tracking import run_name, sweep_group  # noqa: E402
+from decoders.workloads import load_workload  # noqa: E402
+
+Outcome = tuple[int, ...]  # the first generated tokens of one sample (shorter if EOS came first)
+AuditPrompt = tuple[str, list[int]]  # (prompt id, token ids)
+
+#: Default ``audit.tie_tolerance`` per model dtype: logit gaps this small are rounding.
+TIE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
+
+
+class LossyVerifierError(ValueError):
+    """The audit was asked to prove losslessness of a verifier that declares itself lossy."""
+
+
+@dataclass
+class AuditConfig:
+    output: str = "audit.json"
+    prompts: int = 10  # prompts of the greedy test
+    max_new_tokens: int = 64  # tokens per prompt in the greedy test
+    sampling_prompts: int = 3  # prompts of the sampling test (the first of the greedy ones)
+    samples: int = 300  # seeds per prompt and decoder in the sampling test
+    sampled_tokens: int = 3  # leading generated tokens whose distribution is compared
+    max_enumerable_vocab: int = 64  # up to this vocabulary the standard distribution is exact
+    alpha: float = 0.01  # the sampling test fails when its p-value is below this
+    tie_tolerance: float | None = None  # null = TIE_TOLERANCE of the model's dtype
+    require_lossless: bool = True  # refuse verifiers that declare lossless = False
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "max_new_tokens", "sampling_prompts", "samples", "sampled_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"audit.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"audit.alpha must be in (0, 1), got {self.alpha}")
+
+
+# ------------------------------------------------------------------ statistics
+
+
+@dataclass
+class ChiSquare:
+    """A chi-square statistic with its degrees of freedom; sums of independent tests add."""
+
+    statistic: float = 0.0
+    dof: int = 0
+    impossible: int = 0  # samples of outcomes whose exact probability is 0
+
+    def __add__(self, other: ChiSquare) -> ChiSquare:
+        return ChiSquare(
+            self.statistic + other.statistic, self.dof + other.dof, self.impossible + other.impossible
+        )
+
+    @property
+    def p_value(self) -> float:
+        """P(chi2_dof >= statistic); 0 if an impossible outcome was seen, 1 without dof."""
+        if self.impossible:
+            return 0.0
+        if self.dof == 0:
+            return 1.0
+        dof = torch.tensor(self.dof / 2, dtype=torch.float64)
+        return float(torch.special.gammaincc(dof, torch.tensor(self.statistic / 2, dtype=torch.float64)))
+
+
+def _chi_square(bins: list[tuple[float, float]]) -> tuple[float, int]:
+    """Pearson's statistic over (observed, expected) bins, and bins - 1 dof."""
+    statistic = sum((observed - expected) ** 2 / expected for observed, expected in bins if expected > 0)
+    return statistic, max(len(bins) - 1, 0)
+
+
+def goodness_of_fit(observed: Counter, expected_probs: dict, min_expected: float = 5.0) -> ChiSquare:
+    """Chi-square test of ``observed`` counts against exact probabilities of the same keys.
+
+    Keys expected fewer than ``min_expected`` times are binned together (the bin
+    joins the smallest kept one if it is itself too small).
+    """
+    total = sum(observed.values())
+    impossible = sum(count for key, count in observed.items() if expected_probs.get(key, 0.0) <= 0)
+    bins: list[tuple[float, float]] = []
+    rest_observed, rest_expected = 0, 0.0
+    for key, prob in sorted(expected_probs.items(), key=lambda item: -item[1]):
+        if total * prob >= min_expected:
+            bins.append((observed.get(key, 0), total * prob))
+        else:
+            rest_observed += observed.get(key, 0)
+            rest_expected += total * prob
+    if rest_expected > 0:
+        if rest_expected < min_expected and bins:
+            kept_observed, kept_expected = bins.pop()
+            rest_observed, rest_expected = rest_observed + kept_observed, rest_expected + kept_expected
+        bins.append((rest_observed, rest_expected))
+    statistic, dof = _chi_square(bins)
+    return ChiSquare(statistic, dof, impossible)
+
+
+def two_sample(first: Counter, second: Counter, min_count: int = 10) -> ChiSquare:
+    """Chi-square test that two samples of keys come from one distribution.
+
+    Keys seen fewer than ``min_count`` times in both samples together are binned
+    together (joining the least frequent kept key if still too rare).
+    """
+    first_total, second_total = sum(first.values()), sum(second.values())
+    pooled = first + second
+    columns = [(first[key], second[key]) for key, count in pooled.most_common() if count >= min_count]
+    rest = (first_total - sum(a for a, _ in columns), second_total - sum(b for _, b in columns))
+    if sum(rest) > 0:
+        if sum(rest) < min_count and columns:
+            a, b = columns.pop()
+            rest = (rest[0] + a, rest[1] + b)
+        columns.append(rest)
+    total = first_total + second_total
+    bins: list[tuple[float, float]] = []
+    for a, b in columns:
+        bins.append((a, (a + b) * first_total / total))
+        bins.append((b, (a + b) * second_total / total))
+    statistic, _ = _chi_square(bins)
+    return ChiSquare(statistic, max(len(columns) - 1, 0))
+
+
+def next_token_counts(outcomes: Counter) -> dict[Outcome, Counter]:
+    """For every prefix of the sampled outcomes, how often each next token followed it."""
+    children: dict[Outcome, Counter] = {}
+    for outcome, count in outcomes.items():
+        for depth in range(len(outcome)):
+            children.setdefault(outcome[:depth], Counter())[outcome[depth]] += count
+    return children
+
+
+def sequential_goodness_of_fit(observed: Counter, expected_probs: dict[Outcome, float]) -> ChiSquare:
+    """Goodness of fit of sampled token sequences, by the chain rule.
+
+    The joint distribution of sequences is tested as one test of the first token
+    plus, for each sampled prefix, a test of the next token given it. These
+    conditional statistics are asymptotically independent under the null
+    hypothesis, so they add; unlike one test over whole sequences, rare
+    sequences do not all land in one bin.
+    """
+    marginal: dict[Outcome, float] = {}
+    for outcome, prob in expected_probs.items():
+        for depth in range(len(outcome) + 1):
+            marginal[outcome[:depth]] = marginal.get(outcome[:depth], 0.0) + prob
+    expected_children: dict[Outcome, dict[int, float]] = {}
+    for prefix, prob in marginal.items():
+        if prefix:
+            expected_children.setdefault(prefix[:-1], {})[prefix[-1]] = prob
+    total = ChiSquare()
+    for prefix, counts in next_token_counts(observed).items():
+        if marginal.get(prefix, 0.0) <= 0:
+            continue  # an impossible prefix: its parent's test already counted it
+        conditional = {token: prob / marginal[prefix] for token, prob in expected_children[prefix].items()}
+        total += goodness_of_fit(counts, conditional)
+    return total
+
+
+def sequential_two_sample(first: Counter, second: Counter) -> ChiSquare:
+    """Two-sample test of token sequences by the chain rule (see
+    :func:`sequential_goodness_of_fit`): the first token, then the next token
+    after every prefix both samples reached."""
+    first_children, second_children = next_token_counts(first), next_token_counts(second)
+    total = ChiSquare()
+    for prefix in first_children.keys() & second_children.keys():
+        total += two_sample(first_children[prefix], second_children[prefix])
+    return total
+
+
+# ------------------------------------------------------------ exact and sampled
+
+
+@torch.inference_mode()
+def exact_distribution(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    sampling: SamplingConfig,
+    length: int,
+    eos_token_ids: Iterable[int] = (),
+    batch_size: int = 512,
+) -> dict[Outcome, float]:
+    """Standard decoding's exact distribution of its first ``length`` tokens.
+
+    Enumerates every prefix of positive probability, level by level, with plain
+    (uncached) target passes; the processed probabilities (float32, as decoding
+    uses them) are multiplied in float64. Outcomes ending in EOS are shorter.
+    """
+    eos = set(eos_token_ids)
+    device = next(model.parameters()).device
+    finished: dict[Outcome, float] = {}
+    frontier: dict[Outcome, float] = {(): 1.0}
+    for depth in range(length):
+        prefixes = list(frontier)
+        next_frontier: dict[Outcome, float] = {}
+        for start in range(0, len(prefixes), batch_size):
+            chunk = prefixes[start : start + batch_size]
+            input_ids = torch.tensor([prompt_ids + list(p) for p in chunk], device=device)  # (b, len)
+            logits = model(input_ids=input_ids, use_cache=False).logits[:, -1]  # (b, vocab)
+            check_finite(logits, "audit's exact enumeration")
+            probs = processed_probs(logits, sampling).double().cpu()  # (b, vocab)
+            for prefix, row in zip(chunk, probs):
+                for token in row.nonzero().flatten().tolist():
+                    outcome = prefix + (token,)
+                    mass = frontier[prefix] * float(row[token])
+                    ended = token in eos or depth + 1 == length
+                    (finished if ended else next_frontier)[outcome] = mass
+        frontier = next_frontier
+    return finished
+
+
+def sample_outcomes(
+    pipeline: Pipeline, prompt_ids: list[int], length: int, seeds: Iterable[int], progress: tqdm | None = None
+) -> Counter:
+    """The first ``length`` generated tokens of one generation per seed, counted.
+
+    Generates one token more than compared, so the round that emits the last
+    compared token may have drafted past it, as in ordinary use.
+    """
+    counts: Counter = Counter()
+    for seed in seeds:
+        tokens = pipeline.generate(prompt_ids, length + 1, seed=seed).tokens
+        counts[tuple(tokens[:length])] += 1
+        if progress is not None:
+            progress.update()
+    return counts
+
+
+# ----------------------------------------------------------------------- greedy
+
+
+@dataclass
+class Divergence:
+    """Where a greedy pipeline first left standard decoding on one prompt."""
+
+    prompt: str
+    position: int  # index among the generated tokens
+    standard_token: int | None  # None: that output had already ended
+    pipeline_token: int | None
+    logit_gap: float | None  # target logit of standard's token minus the pipeline's
+
+
+def target_logits_after(pipeline: Pipeline, token_ids: list[int]) -> torch.Tensor:
+    """(vocab,) the target's logits after ``token_ids``, from one plain prefill pass."""
+    session = pipeline.session
+    session.reset()
+    return session.forward(token_ids)[-1].double()
+
+
+def greedy_audit(
+    standard: Pipeline, speculative: Pipeline, prompts: list[AuditPrompt], max_new_tokens: int
+) -> tuple[float, list[Divergence]]:
+    """Share of prompts whose outputs are identical, and the divergences."""
+    divergences: list[Divergence] = []
+    for prompt_id, prompt_ids in tqdm(prompts, desc="greedy"):
+        expected = standard.generate(prompt_ids, max_new_tokens).tokens
+        produced = speculative.generate(prompt_ids, max_new_tokens).tokens
+        position = first_divergence(produced, expected)
+        if position is None:
+            continue
+        standard_token = expected[position] if position < len(expected) else None
+        pipeline_token = produced[position] if position < len(produced) else None
+        gap = None
+        if standard_token is not None and pipeline_token is not None:
+            logits = target_logits_after(standard, prompt_ids + expected[:position])
+            gap = float(logits[standard_token] - logits[pipeline_token])
+        divergences.append(Divergence(prompt_id, position, standard_token, pipeline_token, gap))
+    return 1 - len(divergences) / len(prompts), divergences
+
+
+# ------------------------------------------------------------------------ audit
+
+
+def synthetic_prompts(vocab_size: int, count: int, seed: int = 0) -> list[AuditPrompt]:
+    """Token-id prompts for tokenizer-less test models: a random phrase said twice
+    and a half, so prompt lookup finds something to propose."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for number in range(count):
+        phrase = torch.randint(0, vocab_size, (6,), generator=generator).tolist()
+        prompts.append((f"synthetic-{number}", phrase + phrase + phrase[:3]))
+    return prompts
+
+
+def workload_prompts(cfg: DictConfig, pipeline: Pipeline, count: int) -> list[AuditPrompt]:
+    """The workload's first turns, taken round-robin across its categories."""
+    by_category: dict[str, list] = {}
+    for prompt in load_workload(workload_config(cfg)):
+        by_category.setdefault(prompt.category, []).append(prompt)
+    ordered = [p for rank in zip(*by_category.values()) for p in rank]  # first of each, second of each...
+    leftovers = [p for ps in by_category.values() for p in ps if p not in ordered]
+    return [(p.id, pipeline.encode(p.turns[0])) for p in (ordered + leftovers)[:count]]
+
+
+def check_lossless_claim(verifier_name: str, audit: AuditConfig) -> bool:
+    """The verifier's declared losslessness; raises if the audit requires it and it is lossy."""
+    lossless = bool(verifier_registry.get(verifier_name).lossless)
+    if not lossless and audit.require_lossless:
+        raise LossyVerifierError(
+            f"verifier={verifier_name} declares itself lossy (lossless = False), so it cannot pass an "
+            "audit that requires losslessness. Run with audit.require_lossless=false to measure its "
+            "quality loss instead."
+        )
+    return lossless
+
+
+def sampling_audit(
+    standard: Pipeline, speculative: Pipeline, prompts: list[AuditPrompt], audit: AuditConfig
+) -> dict:
+    """Exact or two-sample chi-square test of the first generated tokens' distribution."""
+    vocab_size = standard.model.config.vocab_size
+    exact = vocab_size <= audit.max_enumerable_vocab
+    length = audit.sampled_tokens
+    seeds = range(audit.samples)
+    standard_seeds = range(10**6, 10**6 + audit.samples)  # disjoint from the pipeline's
+    total = ChiSquare()
+    per_prompt = []
+    progress = tqdm(total=len(prompts) * audit.samples * (1 if exact else 2), desc="sampling")
+    for prompt_id, prompt_ids in prompts:
+        observed = sample_outcomes(speculative, prompt_ids, length, seeds, progress)
+        if exact:
+            expected = exact_distribution(
+                standard.model, prompt_ids, standard.sampling, length, standard.eos_token_ids()
+            )
+            test = sequential_goodness_of_fit(observed, expected)
+        else:
+            reference = sample_outcomes(standard, prompt_ids, length, standard_seeds, progress)
+            test = sequential_two_sample(observed, reference)
+        total += test
+        per_prompt.append(
+            {"prompt": prompt_id, "p_value": test.p_value, "statistic": test.statistic, "dof": test.dof,
+             "impossible": test.impossible, "distinct_outcomes": len(observed)}
+        )  # fmt: skip
+    progress.close()
+    return {
+        "method": "exact" if exact else "two_sample",
+        "prompts": len(prompts),
+        "sampled_tokens": length,
+        "pipeline_samples": audit.samples * len(prompts),
+        "standard_samples": 0 if exact else audit.samples * len(prompts),
+        "statistic": total.statistic,
+        "dof": total.dof,
+        "impossible": total.impossible,
+        "p_value": total.p_value,
+        "alpha": audit.alpha,
+        "passed": total.p_value >= audit.alpha,
+        "per_prompt": per_prompt,
+    }
+
+
+def run_audit(cfg: DictConfig) -> dict:
+    """Run both checks for the configured pipeline; returns the audit record."""
+    load_plugins(cfg)
+    audit = to_dataclass(AuditConfig, cfg.audit, "audit")
+    sampling = sampling_config(cfg)
+    proposer_cfg = component(cfg, "proposer")
+    if proposer_cfg is None:
+        raise ValueError(
+            "the audit needs a pipeline to check: choose one with proposer=NAME (e.g. proposer=ngram)."
+        )
+    verifier_cfg = component(cfg, "verifier") or ("greedy" if sampling.greedy else "rejection")
+    verifier_name = verifier_cfg if isinstance(verifier_cfg, str) else verifier_cfg["name"]
+    declared_lossless = check_lossless_claim(verifier_name, audit)
+
+    model_cfg = model_config(cfg)
+    target, tokenizer = load_model(model_cfg)
+    greedy_sampling = replace(sampling, temperature=0.0)
+    standard = Pipeline(target, tokenizer, sampling=greedy_sampling, model_config=model_cfg,
+                        artifacts_dir=cfg.artifacts_dir, max_new_tokens=audit.max_new_tokens)  # fmt: skip
+    count = max(audit.prompts, audit.sampling_prompts)
+    if tokenizer is None:
+        prompts = synthetic_prompts(target.config.vocab_size, count)
+    else:
+        prompts = workload_prompts(cfg, standard, count)
+    tolerance = (
+        audit.tie_tolerance
+        if audit.tie_tolerance is not None
+        else TIE_TOLERANCE.get(standard.session.dtype, 1e-3)
+    )
+    start = time.perf_counter()
+
+    speculative = standard.with_components(proposer_cfg, verifier_cfg)
+    identical, divergences = greedy_audit(
+        standard, speculative, prompts[: audit.prompts], audit.max_new_tokens
+    )
+    ties_only = all(d.logit_gap is not None and abs(d.logit_gap) <= tolerance for d in divergences)
+
+    sampling_result = None
+    if not sampling.greedy:
+        sampling_result = sampling_audit(
+            standard.with_components(None, None, sampling),
+            standard.with_components(proposer_cfg, verifier_cfg, sampling),
+            prompts[: audit.sampling_prompts],
+            audit,
+        )
+    passed = ties_only and (sampling_result is None or sampling_result["passed"])
+    return {
+        "passed": passed,
+        "verdict": verdict(passed, identical, divergences, tolerance, sampling_result, declared_lossless),
+        "pipeline": speculative.name,
+        "proposer": speculative.proposer.name,  # type: ignore[union-attr]
+        "verifier": verifier_name,
+        "declared_lossless": declared_lossless,
+        "model": standard.context.target_key,
+        "dtype": str(standard.session.dtype).removeprefix("torch."),
+        "device": str(standard.session.device),
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "greedy_identical": identical,
+        "greedy_prompts": len(prompts[: audit.prompts]),
+        "greedy_max_new_tokens": audit.max_new_tokens,
+        "tie_tolerance": tolerance,
+        "divergences": [asdict(d) for d in divergences],
+        "sampling_p_value": None if sampling_result is None else sampling_result["p_value"],
+        "pipeline_samples": 0 if sampling_result is None else sampling_result["pipeline_samples"],
+        "standard_samples": 0 if sampling_result is None else sampling_result["standard_samples"],
+        "sampling": sampling_result,
+        "audit_seconds": time.perf_counter() - start,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def verdict(
+    passed: bool,
+    identical: float,
+    divergences: list[Divergence],
+    tolerance: float,
+    sampling: dict | None,
+    declared_lossless: bool,
+) -> str:
+    """One line a person can act on."""
+    ties = sum(1 for d in divergences if d.logit_gap is not None and abs(d.logit_gap) <= tolerance)
+    parts = [
+        f"greedy identical on {identical:.0%} of prompts ({len(divergences)} divergence(s), "
+        f"{ties} of them floating-point ties within {tolerance:g})"
+    ]
+    if sampling is None:
+        parts.append("sampling test skipped (sampling.temperature=0)")
+    else:
+        parts.append(
+            f"sampling {sampling['method']} chi-square p={sampling['p_value']:.4g} "
+            f"({sampling['pipeline_samples']} pipeline / {sampling['standard_samples']} standard samples)"
+        )
+    head = "PASSED" if passed else "FAILED"
+    if not declared_lossless:
+        head += " (verifier declared lossy)"
+    return f"{head}: " + "; ".join(parts)
+
+
+def log_audit(cfg: DictConfig, payload: dict) -> None:
+    """Record the audit's headline figures as a W&B run (logger.mode=disabled: nothing)."""
+    logger = cfg.logger
+    if logger.mode == "disabled":
+        return
+    try:
+        import wandb
+
+        Path(logger.dir).mkdir(parents=True, exist_ok=True)
+        run = wandb.init(
+            mode=logger.mode, project=logger.project, entity=logger.entity,
+            group=logger.group or sweep_group(), name=run_name(), tags=list(logger.tags or []),
+            dir=str(logger.dir), job_type="audit", config=payload["config"],
+            reinit="finish_previous", settings=wandb.Settings(console="off"),
+        )  # fmt: skip
+        try:
+            keys = ("passed", "greedy_identical", "sampling_p_value", "pipeline_samples", "standard_samples")
+            run.summary.update({key: payload[key] for key in keys if payload[key] is not None})
+            columns = list(Divergence.__dataclass_fields__)
+            run.log(
+                {
+                    "divergences": wandb.Table(
+                        columns=columns, data=[list(d.values()) for d in payload["divergences"]]
+                    )
+                }
+            )
+        finally:
+            run.finish()
+    except Exception as error:  # noqa: BLE001 - tracking must never lose a finished audit
+        print(
+            f"[audit] W&B logging failed ({type(error).__name__}: {error}); use logger=disabled to skip W&B.",
+            file=sys.stderr,
+        )
+
+
+@hydra.main(config_path=CONF_DIR, config_name="audit", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    payload = run_audit(cfg)
+    output = Path(cfg.audit.output)
+    write_json(output, payload)
+    for d in payload["divergences"]:
+        print(
+            f"  divergence: prompt {d['prompt']} position {d['position']}: standard {d['standard_token']} "
+            f"vs pipeline {d['pipeline_token']}, logit gap {d['logit_gap']}",
+            file=sys.stderr,
+        )
+    print(f"[audit] {payload['pipeline']}: {payload['verdict']}")
+    print(f"[audit] wrote {output}", file=sys.stderr)
+    log_audit(cfg, payload)
+    if not payload["passed"] and cfg.audit.require_lossless:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
