@@ -1,5 +1,6 @@
 """Verifiers: one module each. Importing this package registers the built-ins."""
 
+import decoders  # noqa: F401  (the engine first, so `import verifiers` alone works: its base imports it)
 from verifiers.base import Verifier
 from verifiers import greedy, rejection  # noqa: F401  (registration)
 
