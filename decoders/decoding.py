@@ -192,7 +192,11 @@ def decode(
 
         block_start = len(target)
         parents = None if draft.is_chain else [-1] + [p + 1 for p in draft.parents]
-        target_logits = target.forward([state.tokens[-1]] + draft.tokens, parents)  # (n + 1, vocab)
+        block = [state.tokens[-1]] + draft.tokens
+        if proposer is None:
+            target_logits = target.forward(block, parents)  # (n + 1, vocab)
+        else:  # the proposer may reuse work done while drafting (default: target.forward)
+            target_logits = proposer.verify_forward(target, block, parents)
         check_finite(target_logits, "target's verification pass")
         acceptance: Acceptance = verifier.verify(draft, target_logits, sampling, generator)
         target.keep(block_start, [0] + [node + 1 for node in acceptance.path])

@@ -21,8 +21,11 @@ from typing import TYPE_CHECKING, ClassVar
 from decoders.draft import Acceptance, Draft
 
 if TYPE_CHECKING:
+    import torch
+
     from decoders.context import PipelineContext
     from decoders.decoding import DecodeState
+    from decoders.session import ModelSession
 
 
 class Proposer:
@@ -51,6 +54,18 @@ class Proposer:
 
     def observe(self, state: "DecodeState", acceptance: Acceptance) -> None:
         """Called after each round with what the verifier decided."""
+
+    def verify_forward(self, target: "ModelSession", tokens: list[int], parents: list[int] | None) -> torch.Tensor:
+        """The target's verification pass over ``tokens`` = [pending] + draft tokens,
+        (len(tokens), vocab) logits; ``parents`` as in :meth:`ModelSession.forward`.
+
+        The default is one ordinary target pass. A proposer that already computed
+        part of this pass while drafting (early exit: the target's own shallow
+        layers) overrides it to reuse that work; it must return the same logits
+        (up to floating-point order) and leave ``target`` exactly as
+        ``target.forward`` would (all layers' KV entries, ``cached``, ``hidden``).
+        """
+        return target.forward(tokens, parents)
 
     def describe(self) -> dict:
         """Facts about the proposer worth recording with results."""

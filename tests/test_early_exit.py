@@ -1,0 +1,251 @@
+"""Early-exit self-drafting: lossless with and without KV reuse, and the reused
+verification pass equals an ordinary full pass (logits and every layer's KV)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoders import Pipeline
+from decoders.decoding import DecodeState
+from decoders.layered import LayeredDecoder, UnsupportedArchitectureError, check_layered_equivalence
+from decoders.models import ModelConfig, load_model
+from decoders.sampling import SamplingConfig
+from decoders.session import ModelSession
+from proposers.early_exit import EarlyExitProposer, ExitHead, exit_artifact_dir
+from tests.conftest import random_prompts
+
+NUM_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def deep_config() -> ModelConfig:
+    return ModelConfig(name="tiny-random", dtype="float64", device="cpu", num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def deep_model(deep_config):
+    return load_model(deep_config)
+
+
+@pytest.fixture()
+def base(deep_model, deep_config, tmp_path) -> Pipeline:
+    model, tokenizer = deep_model
+    return Pipeline(model, tokenizer, model_config=deep_config, artifacts_dir=tmp_path / "artifacts")
+
+
+def early_exit(base: Pipeline, verifier: str = "greedy", **options) -> Pipeline:
+    return base.with_components({"name": "early_exit", **options}, verifier)
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+def test_greedy_output_equals_standard(base, kv_reuse):
+    prompts = random_prompts(4, seed=1)
+    # Greedy output under a smaller budget is a prefix of this one (EOS included).
+    standard = [base.generate(prompt, 23).tokens for prompt in prompts]
+    accepted = 0
+    for exit_layer in (1, 2, 3):
+        pipeline = early_exit(base, exit_layer=exit_layer, kv_reuse=kv_reuse)
+        for k in (1, 4):
+            pipeline.proposer.config.k = k
+            for prompt, expected in zip(prompts, standard):
+                for max_new in (1, 6, 23):
+                    result = pipeline.generate(prompt, max_new)
+                    assert result.tokens == expected[:max_new], (exit_layer, k, kv_reuse, prompt, max_new)
+                    accepted += result.stats.accepted
+    assert accepted > 0, "no draft token was ever accepted: the test exercised nothing"
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+def test_full_depth_exit_is_always_accepted_and_stops_mid_draft(base, kv_reuse):
+    """exit_layer = L drafts with the whole target: every draft token is accepted, so
+    max_new_tokens and EOS fall inside drafts, and output must still stop right there."""
+    pipeline = early_exit(base, exit_layer=NUM_LAYERS, k=4, kv_reuse=kv_reuse)
+    proposed = 0
+    for prompt in random_prompts(4, seed=3):
+        for max_new in (2, 7, 13):
+            result = pipeline.generate(prompt, max_new)
+            assert result.tokens == base.generate(prompt, max_new).tokens
+            assert result.stats.accepted == result.stats.proposed
+            proposed += result.stats.proposed
+        free = base.generate(prompt, 30).tokens
+        eos = free[len(free) // 2]
+        expected = free[: free.index(eos) + 1]
+        base.model.generation_config.eos_token_id = eos
+        try:
+            assert pipeline.generate(prompt, 30).tokens == expected
+        finally:
+            base.model.generation_config.eos_token_id = 257
+    assert proposed > 0
+
+
+def drafted_round(proposer: EarlyExitProposer, model, prompt: list[int]):
+    """A session after prefill + one drafting round, and the block the target verifies."""
+    session = ModelSession(model)
+    sampling = SamplingConfig()
+    first = int(session.forward(prompt)[-1].argmax())
+    state = DecodeState(prompt + [first], len(prompt), sampling, sampling.generator(), session)
+    proposer.begin(state)
+    draft = proposer.propose(state)
+    return session, [first] + draft.tokens
+
+
+def assert_same_cache(session: ModelSession, reference: ModelSession) -> None:
+    assert session.cached == reference.cached
+    for layer, expected in zip(session.cache.layers, reference.cache.layers):
+        torch.testing.assert_close(layer.keys, expected.keys)
+        torch.testing.assert_close(layer.values, expected.values)
+
+
+@pytest.mark.parametrize("exit_layer", [1, 2, 3])
+@pytest.mark.parametrize("cut", [0, 2, None])  # draft tokens the verifier sees (None = all)
+def test_reused_verify_pass_equals_full_pass(base, deep_model, exit_layer, cut):
+    model, _ = deep_model
+    proposer = early_exit(base, exit_layer=exit_layer, k=4).proposer
+    for prompt in random_prompts(3, seed=exit_layer):
+        session, block = drafted_round(proposer, model, prompt)
+        block = block if cut is None else block[: cut + 1]
+        # Drafting advanced only the shallow layers.
+        assert session.cache.get_seq_length(0) == len(prompt) + 4
+        assert session.cache.get_seq_length(NUM_LAYERS - 1) == len(prompt)
+        logits = proposer.verify_forward(session, block, None)
+
+        reference = ModelSession(model)
+        reference.forward(prompt)
+        torch.testing.assert_close(logits, reference.forward(block))
+        torch.testing.assert_close(session.hidden, reference.hidden)
+        assert_same_cache(session, reference)
+        # Rollback after a partial acceptance applies to every layer alike.
+        kept = [0, 1] if len(block) > 1 else [0]
+        session.keep(len(prompt), kept)
+        reference.keep(len(prompt), kept)
+        assert_same_cache(session, reference)
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+def test_kv_reuse_replaces_the_full_verification_pass(base, kv_reuse):
+    """With reuse the target's full forward runs only for the prefill; without it,
+    once per round as well, and the shallow layers never run ahead afterwards."""
+    pipeline = early_exit(base, exit_layer=2, k=3, kv_reuse=kv_reuse)
+    session = pipeline.session
+    full_passes = []
+    forward = session.forward
+    session.forward = lambda tokens, parents=None: full_passes.append(len(tokens)) or forward(tokens, parents)
+    result = pipeline.generate(random_prompts(1, seed=5)[0], 20)
+    rounds = result.stats.target_passes
+    assert len(full_passes) == (1 if kv_reuse else 1 + rounds)
+    assert session.cache.get_seq_length(0) == session.cache.get_seq_length(NUM_LAYERS - 1) == len(session)
+
+
+def test_sampled_drafts_carry_their_distribution(base):
+    """At temperature 1 the draft tokens come with draft_probs; drafting with the whole
+    target (p = q) is then accepted every time by speculative sampling."""
+    sampled = Pipeline(
+        base.model, base.tokenizer, sampling=SamplingConfig(temperature=1.0, seed=7),
+        model_config=base.context.model_config, artifacts_dir=base.context.artifacts_dir,
+    )  # fmt: skip
+    pipeline = early_exit(sampled, "rejection", exit_layer=NUM_LAYERS, k=3)
+    result = pipeline.generate(random_prompts(1, seed=2)[0], 24)
+    assert result.stats.proposed > 0 and result.stats.acceptance_rate == 1.0
+    shallow = early_exit(sampled, "rejection", exit_layer=1, k=3)
+    assert shallow.generate(random_prompts(1, seed=2)[0], 24).stats.new_tokens == 24
+
+
+def test_untrained_exit_is_the_targets_norm_and_head(deep_model):
+    model, _ = deep_model
+    hidden = torch.randn(5, model.config.hidden_size, dtype=torch.float64)
+    expected = model.lm_head(model.model.norm(hidden))
+    torch.testing.assert_close(ExitHead(model, 2)(hidden), expected)
+
+
+def trained_exit(model, exit_layer: int, adapt_layer: int | None = None) -> ExitHead:
+    """An ExitHead with nonzero adapter and head LoRA weights, as if trained."""
+    head = ExitHead(model, exit_layer, adapter_rank=4, head_lora_rank=2)
+    if adapt_layer is not None:
+        head.adapt_shallow_layer(model, adapt_layer)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 0.05)
+    return head
+
+
+@pytest.mark.parametrize("adapt_layer", [None, 1])
+def test_trained_exit_loads_and_stays_lossless(base, deep_model, adapt_layer):
+    model, _ = deep_model
+    head = trained_exit(model, 2, adapt_layer)
+    head.save(exit_artifact_dir(base.context, 2))
+    untrained = early_exit(base, exit_layer=2, k=3)
+    if adapt_layer is None:
+        trained = early_exit(base, exit_layer=2, k=3, trained=True)
+        assert trained.proposer.kv_reuse, "an exit that leaves the shallow layers alone keeps reuse"
+    else:
+        with pytest.warns(UserWarning, match="kv_reuse is off"):
+            trained = early_exit(base, exit_layer=2, k=3, trained=True)
+        assert not trained.proposer.kv_reuse
+        assert trained.proposer.describe()["adapted_shallow_layers"] == [adapt_layer]
+    loaded = trained.proposer.exit_head
+    hidden = torch.randn(3, model.config.hidden_size, dtype=torch.float64)
+    torch.testing.assert_close(loaded(hidden), head(hidden))
+    drafts_differ = False
+    for prompt in random_prompts(4, seed=9):
+        expected = base.generate(prompt, 20).tokens
+        assert trained.generate(prompt, 20).tokens == expected
+        session, trained_block = drafted_round(trained.proposer, model, prompt)
+        _, untrained_block = drafted_round(untrained.proposer, model, prompt)
+        drafts_differ |= trained_block != untrained_block
+    assert drafts_differ, "the trained exit never changed a draft: was it applied?"
+
+
+def test_missing_trained_exit_names_the_training_command(base):
+    with pytest.raises(FileNotFoundError, match="python -m train drafter=early_exit"):
+        early_exit(base, exit_layer=2, trained=True)
+
+
+@pytest.mark.parametrize("exit_layer", [0, NUM_LAYERS + 1])
+def test_exit_layer_out_of_range_is_refused(base, exit_layer):
+    with pytest.raises(ValueError, match=r"exit_layer must be in \[1, 4\]"):
+        early_exit(base, exit_layer=exit_layer)
+
+
+def test_default_exit_layer_is_recorded_in_the_config(base):
+    proposer = early_exit(base).proposer
+    assert proposer.config.exit_layer == proposer.describe()["exit_layer"] == NUM_LAYERS // 2
+
+
+def test_gemma_runs_layer_by_layer():
+    """Gemma scales embeddings inside its embedding module, so range-by-range runs match."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    config = GemmaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    check_layered_equivalence(GemmaForCausalLM(config).double().eval(), 1)
+
+
+def test_sliding_window_attention_is_refused():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, use_sliding_window=True, sliding_window=8, max_window_layers=0,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedArchitectureError, match="sliding_attention"):
+        LayeredDecoder(ModelSession(Qwen2ForCausalLM(config).eval()))
+
+
+def test_decoders_that_do_more_than_stack_layers_are_refused(deep_config):
+    """A decoder whose forward changes the embeddings before layer 0 (as Gemma's did
+    before its scaling moved into the embedding module): range-by-range runs would
+    silently differ, so the equivalence probe refuses the model."""
+    model, _ = load_model(deep_config)
+    decoder_forward = model.model.forward
+
+    def scaled_forward(input_ids=None, **kwargs):
+        return decoder_forward(inputs_embeds=model.model.embed_tokens(input_ids) * 2.0, **kwargs)
+
+    model.model.forward = scaled_forward
+    with pytest.raises(UnsupportedArchitectureError, match="does not reproduce its forward pass"):
+        check_layered_equivalence(model, 2)
