@@ -1,0 +1,308 @@
+"""Medusa heads: K small heads on the target's last hidden state guess the next K tokens.
+
+Head k (k = 0 .. K-1) reads the target's final hidden state ``h`` at the position
+that produced the pending token, and predicts the token k + 2 positions ahead
+of that position, i.e. the (k + 1)-th token after the pending one (Medusa-1,
+Cai et al. 2024). Each head is a residual block feeding a language-model
+projection that starts from the target's own ``lm_head`` and is adapted with LoRA:
+
+    residual_k = h + SiLU(W_k h + b_k)                           trained in full
+    logits_k   = W_lm residual_k + scale * B_k A_k residual_k    W_lm frozen and shared
+
+Drafts:
+
+* chain (``tree: null``): each head's top-1 token; when sampling, each head's
+  token is drawn from ``processed_probs`` of its logits and those rows are the
+  draft_probs. Head k's distribution does not depend on the tokens drawn for
+  earlier heads; rejection sampling only needs each token to come from the
+  stated row, so this stays lossless.
+* tree: Medusa "choices", a list of paths of top-k ranks per head, e.g.
+  ``[[0], [1], [0, 0], [0, 1], [1, 0]]``; node ``[0, 1]`` is head 1's
+  second-ranked token under head 0's top token. Paths are ordered so the
+  all-0 path is the principal path (what chain verifiers keep). ``"auto"``
+  takes the tree stored with the artifact, built from the heads' measured
+  per-rank accuracies. When sampling, each node's token is drawn independently
+  from its head's distribution (siblings are i.i.d. draws).
+
+The K base projections share one weight, so the proposer computes all heads'
+base logits with one matmul (one read of W_lm, the dominant cost on a CPU)
+and adds each head's low-rank LoRA term; :meth:`MedusaHeads.forward`, used in
+training, runs the PEFT layers themselves. Both give the same logits.
+
+Artifact layout (written by ``python -m train drafter=medusa``)::
+
+    medusa.json         architecture, target key, training summary, default tree
+    heads.safetensors   the residual blocks
+    adapter/            PEFT LoRA adapter of the heads' lm projections
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from decoders.draft import Draft
+from decoders.registry import register_proposer
+from decoders.sampling import check_finite, processed_probs, sample
+from proposers.base import Proposer
+
+CONFIG_FILE = "medusa.json"
+BLOCKS_FILE = "heads.safetensors"
+ADAPTER_DIR = "adapter"
+LORA_TARGETS = r"lm_heads\.\d+"  # PEFT target_modules: every head's lm projection
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(Linear(x)); zero-initialised, so a fresh head starts as the target's lm_head."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + nn.functional.silu(self.linear(hidden))
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks, each feeding an lm projection that shares ``lm_head``'s weight.
+
+    The projections are plain ``nn.Linear`` modules whose (frozen) weight is the
+    target's own tensor, not a copy; PEFT injects a LoRA adapter into each.
+    """
+
+    def __init__(self, lm_head: nn.Linear, num_heads: int) -> None:
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"Medusa needs at least one head, got num_heads={num_heads}")
+        vocab_size, hidden_size = lm_head.weight.shape
+        self.num_heads = num_heads
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
+        self.lm_heads = nn.ModuleList(_shared_projection(lm_head) for _ in range(num_heads))
+        self.blocks.to(lm_head.weight)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks[0].linear.weight.dtype
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., hidden) -> logits (..., K, vocab), through the PEFT layers."""
+        return torch.stack([lm(block(hidden)) for block, lm in zip(self.blocks, self.lm_heads)], dim=-2)
+
+    def fused_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (hidden,) -> logits (K, vocab), the same values as :meth:`forward`
+        with one matmul against the shared base weight for all heads."""
+        residual = torch.stack([block(hidden) for block in self.blocks])  # (K, hidden)
+        base = self.lm_heads[0].base_layer if _has_lora(self.lm_heads[0]) else self.lm_heads[0]
+        logits = base(residual)  # (K, vocab)
+        for k, projection in enumerate(self.lm_heads):
+            if _has_lora(projection):
+                logits[k] += _lora_delta(projection, residual[k])
+        return logits
+
+
+def _shared_projection(lm_head: nn.Linear) -> nn.Linear:
+    vocab_size, hidden_size = lm_head.weight.shape
+    projection = nn.Linear(hidden_size, vocab_size, bias=lm_head.bias is not None, device="meta")
+    projection.weight = lm_head.weight
+    if lm_head.bias is not None:
+        projection.bias = lm_head.bias
+    projection.requires_grad_(False)
+    return projection
+
+
+def _has_lora(projection: nn.Module) -> bool:
+    return hasattr(projection, "lora_A")
+
+
+def _lora_delta(projection: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    """scale * B A residual for every active adapter of a PEFT LoRA Linear: (vocab,)."""
+    delta = torch.zeros((), dtype=residual.dtype, device=residual.device)
+    for adapter in projection.active_adapters:
+        lora_a = projection.lora_A[adapter]
+        lora_b = projection.lora_B[adapter]
+        delta = delta + lora_b(lora_a(residual)) * projection.scaling[adapter]
+    return delta
+
+
+# ---------------------------------------------------------------- artifact I/O
+
+
+@dataclass
+class MedusaArtifact:
+    """A loaded artifact: heads (adapter applied) and the metadata in medusa.json."""
+
+    heads: MedusaHeads
+    meta: dict
+
+
+def save_artifact(peft_heads: nn.Module, directory: Path, meta: dict) -> None:
+    """Write adapter/, heads.safetensors and medusa.json (``peft_heads`` is the PeftModel)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    heads: MedusaHeads = peft_heads.get_base_model()
+    peft_heads.save_pretrained(str(directory / ADAPTER_DIR))
+    blocks = {name: tensor.detach().contiguous() for name, tensor in heads.blocks.state_dict().items()}
+    save_file(blocks, str(directory / BLOCKS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def load_artifact(directory: Path, lm_head: nn.Linear) -> MedusaArtifact:
+    """Build heads over ``lm_head`` (shared, not copied) and load the blocks and adapter."""
+    from peft import PeftModel
+
+    meta = json.loads((directory / CONFIG_FILE).read_text())
+    vocab_size, hidden_size = lm_head.weight.shape
+    if (meta["vocab_size"], meta["hidden_size"]) != (vocab_size, hidden_size):
+        raise ValueError(
+            f"the Medusa heads in {directory} were trained for a target with vocab {meta['vocab_size']} and "
+            f"hidden size {meta['hidden_size']}, but this target has {vocab_size} and {hidden_size}; "
+            "retrain them for this target with `python -m train drafter=medusa`."
+        )
+    heads = MedusaHeads(lm_head, meta["num_heads"])
+    heads.blocks.load_state_dict(load_file(str(directory / BLOCKS_FILE)))
+    PeftModel.from_pretrained(heads, str(directory / ADAPTER_DIR))  # injects LoRA into `heads`
+    heads.to(lm_head.weight.dtype).eval().requires_grad_(False)
+    return MedusaArtifact(heads, meta)
+
+
+# ---------------------------------------------------------------- trees
+
+
+def build_tree(choices: list[list[int]], num_heads: int) -> tuple[list[int], list[int], list[int]]:
+    """Medusa choice paths -> (depths, ranks, parents) of the draft nodes.
+
+    Paths are sorted by (length, ranks), so parents precede children and each
+    node's first child is its rank-0 child: the all-0 path is the principal path.
+    """
+    paths = sorted((tuple(int(r) for r in path) for path in choices), key=lambda p: (len(p), p))
+    index: dict[tuple[int, ...], int] = {}
+    depths, ranks, parents = [], [], []
+    for path in paths:
+        if not path or min(path) < 0:
+            raise ValueError(f"proposer.tree path {list(path)} must be a non-empty list of ranks >= 0")
+        if len(path) > num_heads:
+            raise ValueError(f"proposer.tree path {list(path)} is deeper than the {num_heads} heads in use")
+        if path in index:
+            raise ValueError(f"proposer.tree lists path {list(path)} twice")
+        if len(path) > 1 and path[:-1] not in index:
+            raise ValueError(f"proposer.tree path {list(path)} needs its prefix {list(path[:-1])} too")
+        index[path] = len(depths)
+        depths.append(len(path) - 1)
+        ranks.append(path[-1])
+        parents.append(index[path[:-1]] if len(path) > 1 else -1)
+    return depths, ranks, parents
+
+
+def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int]]:
+    """The ``num_nodes`` paths with the highest expected acceptance.
+
+    rank_accuracy[k][r]: how often head k's rank-r token is the right one.
+    Treating heads as independent, a path is accepted with the product of its
+    ranks' accuracies, and tau = 1 + the sum of that over the tree's nodes; a
+    path never beats its prefix, so taking the best paths one by one keeps the
+    tree closed under prefixes.
+    """
+    chosen: list[list[int]] = []
+    frontier = [(-acc, (rank,)) for rank, acc in enumerate(rank_accuracy[0])]
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < num_nodes:
+        negative_value, path = heapq.heappop(frontier)
+        chosen.append(list(path))
+        if len(path) < len(rank_accuracy):
+            for rank, acc in enumerate(rank_accuracy[len(path)]):
+                heapq.heappush(frontier, (negative_value * acc, path + (rank,)))
+    return chosen
+
+
+# ---------------------------------------------------------------- proposer
+
+
+@register_proposer("medusa")
+class MedusaProposer(Proposer):
+    @dataclass
+    class Config:
+        # Artifact directory; null = <artifacts_dir>/<target>/medusa.
+        path: str | None = None
+        # Heads used (the chain length); null = all the artifact has.
+        num_heads: int | None = None
+        # null = chain of top-1 tokens; a list of Medusa choice paths, e.g.
+        # [[0], [1], [0, 0]]; or "auto" = the tree stored with the artifact.
+        tree: Any = None
+
+    sampled = True
+    needs_hidden = True
+
+    def __init__(self, config: Config, context) -> None:
+        super().__init__(config, context)
+        directory = Path(config.path) if config.path else context.artifact_path("medusa")
+        if not (directory / CONFIG_FILE).exists():
+            raise FileNotFoundError(
+                f"no Medusa heads for target {context.target_key!r} at {directory}. Train them with "
+                f"`{train_command(context, config.path)}`."
+            )
+        artifact = load_artifact(directory, context.target.get_output_embeddings())
+        self.heads = artifact.heads
+        self.meta = artifact.meta
+        self.num_heads = config.num_heads or self.heads.num_heads
+        if not 1 <= self.num_heads <= self.heads.num_heads:
+            raise ValueError(
+                f"proposer.num_heads must be between 1 and the artifact's {self.heads.num_heads} heads, "
+                f"got {config.num_heads}"
+            )
+        choices = self.meta.get("tree") if config.tree == "auto" else config.tree
+        if config.tree == "auto" and not choices:
+            raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
+        self.tree = None if choices is None else build_tree(choices, self.num_heads)
+
+    @torch.inference_mode()
+    def propose(self, state) -> Draft:
+        logits = self.heads.fused_logits(state.last_hidden)[: self.num_heads]  # (K, vocab)
+        check_finite(logits, "Medusa heads")
+        sampling = state.sampling
+        if self.tree is None:
+            if sampling.greedy:
+                return Draft.chain(logits.argmax(-1).tolist())
+            draft_probs = processed_probs(logits, sampling)  # (K, vocab) float32
+            return Draft.chain(sample(draft_probs, state.generator).tolist(), draft_probs)
+        depths, ranks, parents = self.tree
+        if sampling.greedy:
+            top_tokens = logits.topk(max(ranks) + 1, dim=-1).indices  # (K, max rank + 1)
+            return Draft(top_tokens[depths, ranks].tolist(), parents)
+        draft_probs = processed_probs(logits, sampling)[depths]  # (n, vocab): each node's head
+        return Draft(sample(draft_probs, state.generator).tolist(), parents, draft_probs)
+
+    def describe(self) -> dict:
+        return {
+            "num_heads": self.num_heads,
+            "tree_nodes": None if self.tree is None else len(self.tree[0]),
+            "trainable_parameters": self.meta.get("trainable_parameters"),
+            "heads_top1_heldout": self.meta.get("metrics", {}).get("top1"),
+        }
+
+
+def train_command(context, output: str | None = None) -> str:
+    """The command line that trains this target's Medusa heads (into ``output`` if given)."""
+    model = context.model_config
+    parts = ["python -m train drafter=medusa", f"model={model.name}"]
+    if model.name_or_path:
+        parts.append(f"model.name_or_path={model.name_or_path}")
+    if model.name == "tiny-random":
+        parts += [
+            f"model.vocab_size={model.vocab_size}",
+            f"model.hidden_size={model.hidden_size}",
+            f"model.num_layers={model.num_layers}",
+            f"model.seed={model.seed}",
+        ]
+    if str(context.artifacts_dir) != "artifacts":
+        parts.append(f"artifacts_dir={context.artifacts_dir}")
+    if output:
+        parts.append(f"train.output={output}")
+    return " ".join(parts)

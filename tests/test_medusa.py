@@ -1,0 +1,187 @@
+"""The medusa proposer: trees, the artifact round trip, and losslessness with
+greedy and sampling verifiers, on heads trained for the tiny model."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from decoders import Pipeline
+from decoders.decoding import DecodeState
+from decoders.models import ModelConfig, load_model
+from decoders.registry import verifier_registry
+from decoders.sampling import SamplingConfig, processed_probs
+from decoders.session import ModelSession
+from proposers.medusa import best_tree, build_tree, load_artifact, save_artifact
+from tests.conftest import random_prompts
+from tests.test_train import train_tiny_medusa
+from train.medusa import Config, build_heads
+
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("medusa")
+    train_tiny_medusa(directory)
+    return directory
+
+
+@pytest.fixture()
+def base(tiny_model, tiny_config, artifacts) -> Pipeline:
+    model, tokenizer = tiny_model
+    return Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=artifacts, max_new_tokens=32)
+
+
+def decode_state(pipeline: Pipeline, prompt: list[int], sampling: SamplingConfig) -> DecodeState:
+    """The state a proposer sees right after the prefill of ``prompt``."""
+    session = ModelSession(pipeline.model)
+    first = int(session.forward(prompt)[-1].argmax())
+    return DecodeState(prompt + [first], len(prompt), sampling, sampling.generator(), session)
+
+
+def test_tree_paths_become_a_draft_tree_with_the_all_zero_path_first():
+    depths, ranks, parents = build_tree([[1, 0], [0, 1], [1], [0], [0, 0]], num_heads=4)
+    # sorted: [0], [1], [0, 0], [0, 1], [1, 0]
+    assert depths == [0, 0, 1, 1, 1]
+    assert ranks == [0, 1, 0, 1, 0]
+    assert parents == [-1, -1, 0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("paths", "message"),
+    [([[0], [0, 1, 2]], "prefix"), ([[0], [0]], "twice"), ([[0, 0, 0, 0, 0]], "deeper"), ([[]], "non-empty")],
+)
+def test_bad_tree_paths_are_refused(paths, message):
+    with pytest.raises(ValueError, match=message):
+        build_tree(paths, num_heads=4)
+
+
+def test_best_tree_takes_the_likeliest_paths():
+    rank_accuracy = [[0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    # path values: [0] .5, [0,0] .2, [1] .2, [2] .1, [1,0] .08, [0,1] .05
+    assert sorted(best_tree(rank_accuracy, 4)) == [[0], [0, 0], [1], [2]]
+    assert len(best_tree(rank_accuracy, 100)) == 3 + 3 * 3
+
+
+def test_fused_logits_equal_the_peft_forward(base):
+    heads = base.with_components("medusa", "greedy").proposer.heads
+    hidden = torch.randn(64, dtype=torch.float64)
+    torch.testing.assert_close(heads.fused_logits(hidden), heads(hidden))
+
+
+def test_save_load_round_trip_gives_identical_proposals(tmp_path):
+    config = ModelConfig(name="tiny-random", dtype="float32")
+    model, tokenizer = load_model(config)
+    heads, peft_heads = build_heads(model.get_output_embeddings(), Config(num_heads=3, lora_rank=4))
+    with torch.no_grad():  # trained-looking values everywhere (LoRA's B starts at zero)
+        for parameter in heads.parameters():
+            if parameter.requires_grad:
+                parameter.normal_(0, 0.2)
+    directory = tmp_path / "medusa"
+    save_artifact(peft_heads, directory, {"num_heads": 3, "hidden_size": 64, "vocab_size": 320, "tree": TREE})
+    loaded = load_artifact(directory, model.get_output_embeddings()).heads
+    pipeline = Pipeline(model, tokenizer, model_config=config, artifacts_dir=tmp_path)
+    proposer = pipeline.with_components({"name": "medusa", "path": str(directory)}, "greedy").proposer
+    for prompt in random_prompts(4, seed=2):
+        state = decode_state(pipeline, prompt, SamplingConfig())
+        with torch.no_grad():
+            expected = heads.fused_logits(state.last_hidden)  # (3, vocab)
+        assert torch.equal(loaded.fused_logits(state.last_hidden), expected)
+        assert proposer.propose(state).tokens == expected.argmax(-1).tolist()
+
+
+def test_greedy_tree_holds_each_heads_top_k_tokens(base):
+    proposer = base.with_components({"name": "medusa", "tree": TREE}, "greedy").proposer
+    state = decode_state(base, random_prompts(1, seed=4)[0], SamplingConfig())
+    draft = proposer.propose(state)
+    top = proposer.heads.fused_logits(state.last_hidden).topk(2, dim=-1).indices  # (K, 2)
+    # nodes in order: [0], [1], [0,0], [0,1], [1,0], [0,0,0]
+    assert draft.tokens == [top[0, 0], top[0, 1], top[1, 0], top[1, 1], top[1, 0], top[2, 0]]
+    assert draft.parents == [-1, -1, 0, 0, 1, 2]
+    assert draft.as_chain().tokens == [top[0, 0], top[1, 0], top[2, 0]]
+
+
+def test_sampled_drafts_carry_each_heads_distribution(base):
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    for tree in (None, TREE):
+        proposer = base.with_components({"name": "medusa", "tree": tree}, "rejection", sampling).proposer
+        state = decode_state(base, random_prompts(1, seed=6)[0], sampling)
+        draft = proposer.propose(state)
+        head_probs = processed_probs(proposer.heads.fused_logits(state.last_hidden), sampling)  # (K, vocab)
+        depths = draft.depths
+        torch.testing.assert_close(draft.draft_probs, head_probs[depths])
+        assert all(draft.draft_probs[i, token] > 0 for i, token in enumerate(draft.tokens))
+
+
+LOSSLESS = [v for v in verifier_registry.names() if verifier_registry.get(v).lossless]
+TREE_VERIFIERS = [v for v in LOSSLESS if verifier_registry.get(v).accepts_trees]
+CASES = [("medusa", v) for v in LOSSLESS] + [
+    (proposer, verifier)
+    for proposer in (
+        {"name": "medusa", "tree": "auto"},
+        {"name": "medusa", "tree": TREE},
+        {"name": "medusa", "num_heads": 2},
+    )
+    for verifier in ["greedy", *TREE_VERIFIERS]
+]
+
+
+@pytest.mark.parametrize(("proposer", "verifier"), CASES)
+def test_greedy_output_equals_standard_decoding(base, proposer, verifier):
+    pipeline = base.with_components(proposer, verifier)
+    accepted = 0
+    for prompt in random_prompts(3, seed=8) + ["Write a story about"]:
+        for max_new in (1, 5, 24):
+            expected = base.generate(prompt, max_new).tokens
+            result = pipeline.generate(prompt, max_new)
+            assert result.tokens == expected, (proposer, verifier, prompt, max_new)
+            accepted += result.stats.accepted
+    assert accepted > 0, "no Medusa token was ever accepted: the test exercised nothing"
+
+
+def test_rejection_sampling_keeps_the_targets_distribution(base):
+    """With draft_probs from the heads, the first drafted token (the second generated
+    one) follows the target's distribution exactly: chi-square on (t1, t2) pairs."""
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    pipeline = base.with_components("medusa", "rejection", sampling)
+    prompt = random_prompts(1, seed=9)[0]
+    samples, accepted = Counter(), 0
+    for seed in range(600):
+        result = pipeline.generate(prompt, 3, seed=seed)  # round 1 drafts exactly one token
+        samples[tuple(result.tokens[:2])] += 1
+        accepted += result.stats.accepted
+    assert accepted > 30, "the heads' drafts were hardly ever accepted: the test would be weak"
+
+    session = ModelSession(base.model)
+    first_probs = processed_probs(session.forward(prompt)[-1], sampling)  # (vocab,)
+    expected: dict[tuple[int, int], float] = {}
+    for t1 in first_probs.nonzero().flatten().tolist():
+        session.truncate(len(prompt))
+        second_probs = processed_probs(session.forward([t1])[-1], sampling)  # (vocab,)
+        for t2 in second_probs.nonzero().flatten().tolist():
+            expected[(t1, t2)] = float(first_probs[t1] * second_probs[t2])
+    assert set(samples) <= set(expected)
+    cells = sorted(expected)
+    total = sum(samples.values())
+    observed = [samples[c] for c in cells]
+    predicted = [expected[c] * total for c in cells]
+    scale = total / sum(predicted)
+    assert chisquare(observed, [p * scale for p in predicted]).pvalue > 1e-3
+
+
+def test_missing_artifact_names_the_training_command(tiny_pipeline):
+    with pytest.raises(FileNotFoundError, match="python -m train drafter=medusa model=tiny-random"):
+        tiny_pipeline.with_components("medusa", "greedy")
+
+
+def test_heads_for_another_target_are_refused(artifacts):
+    config = ModelConfig(name="tiny-random", vocab_size=300)
+    model, tokenizer = load_model(config)
+    other = Pipeline(model, tokenizer, model_config=config)
+    directory = artifacts / "tiny-random-v320-h64-l2-s0" / "medusa"
+    with pytest.raises(ValueError, match="retrain"):
+        other.with_components({"name": "medusa", "path": str(directory)}, "greedy")

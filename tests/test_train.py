@@ -1,0 +1,201 @@
+"""The train package: batched generation and its cache, prompts, the shared loop
+(resumption), and a full Medusa run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import train.generation as generation
+from decoders import Pipeline
+from decoders.config import to_dataclass
+from decoders.sampling import SamplingConfig
+from decoders.session import ModelSession
+from decoders.workloads import DEFAULT_PROMPTS
+from proposers.medusa import load_artifact
+from tests.conftest import REPO_ROOT, random_prompts
+from train import prompts as builtin
+from train.data import DataConfig, read_prompt_file, self_distilled, split_heldout
+from train.job import drafter_module, run
+from train.loop import FitConfig, RunLogger, fit
+from train.medusa import IGNORE, Config, build_heads, evaluate, training_rows
+
+TINY_RECIPE = [
+    "model=tiny-random",
+    "model.dtype=float64",
+    "logger=disabled",
+    "train.data.magpie_prompts=4",
+    "train.data.templated_prompts=44",
+    "train.data.passages=4",
+    "train.data.max_query_tokens=8",
+    "train.data.max_new_tokens=40",
+    "train.data.batch_size=16",
+    "train.data.heldout=0.2",
+    "drafter.lora_rank=4",
+    "drafter.epochs=6",
+    "drafter.batch_size=64",
+    "drafter.lr=0.01",
+    "drafter.eval_batch_size=128",
+    "drafter.tree_nodes=6",
+]
+
+
+def compose_train(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(Path(REPO_ROOT) / "conf"), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def train_tiny_medusa(artifacts_dir: Path, extra: tuple[str, ...] = ()) -> Path:
+    """Train Medusa heads for the tiny model into ``artifacts_dir`` (a few seconds)."""
+    return run(compose_train(TINY_RECIPE + [f"artifacts_dir={artifacts_dir}", *extra]))
+
+
+SETTINGS = generation.GenerationSettings(20, SamplingConfig(), batch_size=4, keep_hidden=True)
+
+
+def test_batched_generation_equals_standard_greedy_decoding(tiny_pipeline):
+    """Left padding and the batch's shared cache change nothing: every row is what
+    standard decoding produces, and its hidden rows are the target's own states."""
+    model = tiny_pipeline.model
+    prompts = [tuple(p[:30]) for p in random_prompts(5, seed=3)]
+    outputs = generation.generate_batch(model, prompts, SETTINGS, frozenset({257}), 258, torch.Generator())
+    session = ModelSession(model)
+    for prompt, out in zip(prompts, outputs):
+        assert out.output == tiny_pipeline.generate(list(prompt), 20).tokens
+        session.reset()
+        session.forward(list(prompt) + out.output[:-1])
+        expected_hidden = session.hidden[len(prompt) - 1 :]  # (len(output), hidden)
+        assert out.hidden.shape == expected_hidden.shape
+        torch.testing.assert_close(
+            out.hidden.double(), expected_hidden, atol=2e-2, rtol=2e-3
+        )  # float16 storage
+
+
+def test_generation_store_resumes_where_it_stopped(tiny_pipeline, tmp_path, monkeypatch):
+    model = tiny_pipeline.model
+    requests = [generation.Request(f"r/{i}", tuple(p[:12])) for i, p in enumerate(random_prompts(10, seed=5))]
+    generated: list[int] = []
+    real = generation.generate_batch
+
+    def counting(model, prompts, *args):
+        generated.append(len(prompts))
+        return real(model, prompts, *args)
+
+    monkeypatch.setattr(generation, "generate_batch", counting)
+    first = generation.generate_all(
+        model, requests[:6], generation.GenerationStore(tmp_path), SETTINGS, frozenset({257}), 258, "first"
+    )
+    assert sum(generated) == 6
+    store = generation.GenerationStore(tmp_path)  # a new process: reads the finished parts
+    changed = generation.Request("r/0", requests[0].prompt + (1,))  # same id, new prompt: regenerate
+    second = generation.generate_all(
+        model, requests + [changed], store, SETTINGS, frozenset({257}), 258, "second"
+    )
+    assert sum(generated) == 6 + 4 + 1
+    for request in requests[1:6]:
+        assert second[request.id].output == first[request.id].output
+        torch.testing.assert_close(second[request.id].hidden, first[request.id].hidden)
+
+
+def test_templated_prompts_are_stable_varied_and_not_the_benchmarks():
+    specs = [builtin.templated_prompt(0, i, passages=8) for i in range(220)]
+    assert specs == [builtin.templated_prompt(0, i, passages=8) for i in range(220)]
+    assert {s.category for s in specs} == set(builtin.CATEGORIES)
+    texts = {builtin.fill_passages(s, [f"passage {i}" for i in range(8)]) for s in specs}
+    assert len(texts) > 180
+    benchmark = {
+        json.loads(line)["turns"][0] for line in DEFAULT_PROMPTS.read_text().splitlines() if line.strip()
+    }
+    assert not texts & benchmark
+
+
+def test_magpie_prefix_is_the_start_of_a_user_turn(tiny_pipeline):
+    assert builtin.pre_query_prefix(tiny_pipeline.tokenizer) == "<bos>user: "
+
+
+def test_prompt_file_formats_and_errors(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        '{"prompt": "Hi there"}\n\n{"question_id": 3, "category": "qa", "turns": ["Why?", "And?"]}\n'
+    )
+    assert read_prompt_file(path) == ["Hi there", "Why?"]
+    path.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2"):
+        read_prompt_file(path)
+    with pytest.raises(FileNotFoundError, match="train.data.path"):
+        read_prompt_file(tmp_path / "missing.jsonl")
+
+
+def test_interrupted_training_resumes_to_the_same_result(tmp_path):
+    """Ctrl-C saves a checkpoint; rerunning continues with the same batches and
+    optimizer state, ending exactly where an uninterrupted run ends."""
+    torch.manual_seed(0)
+    rows = {"x": torch.randn(50, 3, dtype=torch.float64), "y": torch.randn(50, dtype=torch.float64)}
+    cfg = FitConfig(epochs=3, batch_size=8, lr=0.05, checkpoint_every=4)
+    logger = RunLogger(compose_train(["logger=disabled"]).logger, {}, "test")
+
+    def make_module():
+        torch.manual_seed(1)
+        return torch.nn.Linear(3, 1).double()
+
+    def loss_fn(batch, fail_at=None, calls=[0]):  # noqa: B006 - a call counter
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise KeyboardInterrupt
+        return ((module(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean(), {}
+
+    module = make_module()
+    fit(module, rows, loss_fn, cfg, tmp_path / "a.pt", "f", logger)
+    expected = [p.detach().clone() for p in module.parameters()]
+
+    module = make_module()
+    calls = [0]
+    with pytest.raises(KeyboardInterrupt):
+        fit(module, rows, lambda b: loss_fn(b, fail_at=11, calls=calls), cfg, tmp_path / "b.pt", "f", logger)
+    assert torch.load(tmp_path / "b.pt", weights_only=True)["step"] == 10
+    module = make_module()
+    fit(module, rows, loss_fn, cfg, tmp_path / "b.pt", "f", logger)
+    for got, want in zip(module.parameters(), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_config):
+    artifact = train_tiny_medusa(tmp_path)
+    meta = json.loads((artifact / "medusa.json").read_text())
+    assert (artifact / "heads.safetensors").exists()
+    assert (artifact / "adapter" / "adapter_model.safetensors").exists()
+    assert not (artifact / "checkpoint.pt").exists()
+    assert meta["target"] == "tiny-random-v320-h64-l2-s0" and meta["num_heads"] == 4
+
+    # Trained heads against fresh ones, on the held-out sequences (read back from the cache).
+    model, tokenizer = tiny_model
+    pipeline = Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=tmp_path)
+    data_cfg = to_dataclass(DataConfig, compose_train(TINY_RECIPE).train.data, "train.data")
+    sequences = self_distilled(pipeline, data_cfg, tmp_path / pipeline.context.target_key / "data")
+    _, heldout = split_heldout(sequences, data_cfg.heldout)
+    drafter_cfg = Config(num_heads=4, lora_rank=4)
+    trained = load_artifact(artifact, model.get_output_embeddings()).heads
+    fresh, _ = build_heads(model.get_output_embeddings(), drafter_cfg)
+    rows = training_rows(heldout, 4)
+
+    def head0_loss(heads):
+        with torch.no_grad():
+            logits = heads(rows["hidden"].to(heads.dtype))[:, 0]
+        return float(torch.nn.functional.cross_entropy(logits, rows["labels"][:, 0], ignore_index=IGNORE))
+
+    assert head0_loss(trained) < 0.5 * head0_loss(fresh)
+    chance = 1 / 320
+    accuracy = evaluate(trained, heldout, drafter_cfg)
+    assert accuracy["top1"][0] > 20 * chance and accuracy["top1"][1] > 10 * chance
+    assert accuracy["top1"][0] > evaluate(fresh, heldout, drafter_cfg)["top1"][0]
+    assert accuracy["chain_tau"] > 1.2
+    assert meta["metrics"]["top1"] == pytest.approx(accuracy["top1"], abs=0.02)  # float32 in training
+
+
+def test_unknown_drafter_lists_the_known_ones():
+    with pytest.raises(KeyError, match="drafters: medusa"):
+        drafter_module("nope")

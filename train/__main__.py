@@ -1,0 +1,18 @@
+"""Command line: ``python -m train drafter=medusa [model=...] [train_data=large]``."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from decoders.config import CONF_DIR
+from train.job import run
+
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

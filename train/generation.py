@@ -1,0 +1,193 @@
+"""Batched generation by the target, cached on disk and resumable.
+
+:func:`generate_batch` runs one left-padded batch through the target with a
+KV cache and keeps, per sequence, the target's final hidden state at every
+position that predicted a generated token, so drafters that read hidden states
+(Medusa heads) never rerun the target. :class:`GenerationStore` appends each
+finished batch to a folder (``part_NNNNN.json`` with the token ids, written
+last, and ``part_NNNNN.safetensors`` with the hidden states); an interrupted
+run reloads the finished parts and generates only what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from decoders.sampling import SamplingConfig, processed_probs, sample
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt to generate from; ``id`` names it in the cache (e.g. ``magpie/12``)."""
+
+    id: str
+    prompt: tuple[int, ...]
+
+
+@dataclass
+class Generation:
+    """What the target generated after a prompt.
+
+    hidden: (len(output), hidden) float16 or None; row j is the target's final
+    hidden state at the position whose next-token prediction was output[j].
+    """
+
+    prompt: list[int]
+    output: list[int]
+    hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int
+    sampling: SamplingConfig  # temperature 0 = greedy
+    batch_size: int
+    keep_hidden: bool
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: torch.nn.Module,
+    prompts: list[tuple[int, ...]],
+    settings: GenerationSettings,
+    eos_token_ids: frozenset[int],
+    pad_token_id: int,
+    generator: torch.Generator,
+) -> list[Generation]:
+    """Generate after each prompt (left padding, one KV cache for the batch).
+
+    Each output ends at its first EOS (kept) or after ``max_new_tokens``.
+    """
+    device = next(model.parameters()).device
+    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (B, width)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, width)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, width)
+    eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
+    cache = DynamicCache(config=model.config)
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (B,)
+    tokens: list[torch.Tensor] = []  # per step (B,)
+    hiddens: list[torch.Tensor] = []  # per step (B, hidden)
+    step_input = input_ids
+    for _ in range(settings.max_new_tokens):
+        outputs = decoder(
+            input_ids=step_input,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        )
+        hidden = outputs.last_hidden_state[:, -1]  # (B, hidden)
+        logits = lm_head(hidden).float()  # (B, vocab)
+        if settings.sampling.greedy:
+            next_tokens = logits.argmax(-1)  # (B,)
+        else:
+            next_tokens = sample(processed_probs(logits, settings.sampling), generator)  # (B,)
+        next_tokens = torch.where(finished, pad_token_id, next_tokens)
+        tokens.append(next_tokens)
+        if settings.keep_hidden:
+            hiddens.append(hidden.to(torch.float16))
+        finished |= torch.isin(next_tokens, eos)
+        if bool(finished.all()):
+            break
+        step_input = next_tokens[:, None]  # (B, 1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        position_ids = position_ids[:, -1:] + 1
+
+    steps = torch.stack(tokens, dim=1).cpu()  # (B, steps)
+    stacked_hidden = torch.stack(hiddens, dim=1).cpu() if hiddens else None  # (B, steps, hidden)
+    generations = []
+    for row, prompt in enumerate(prompts):
+        output = steps[row].tolist()
+        ends = [i for i, token in enumerate(output) if token in eos_token_ids]
+        output = output[: ends[0] + 1] if ends else output
+        hidden = None if stacked_hidden is None else stacked_hidden[row, : len(output)].clone()
+        generations.append(Generation(list(prompt), output, hidden))
+    return generations
+
+
+class GenerationStore:
+    """A folder of finished generations, appended one batch (part) at a time."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.generations: dict[str, Generation] = {}
+        self.parts = 0
+        for index_file in sorted(directory.glob("part_*.json")):
+            self._load_part(index_file)
+            self.parts += 1
+
+    def _load_part(self, index_file: Path) -> None:
+        items = json.loads(index_file.read_text())
+        tensor_file = index_file.with_suffix(".safetensors")
+        hidden = load_file(str(tensor_file)) if tensor_file.exists() else {}
+        for item in items:
+            self.generations[item["id"]] = Generation(item["prompt"], item["output"], hidden.get(item["id"]))
+
+    def get(self, request: Request) -> Generation | None:
+        """The cached generation for ``request``, if its prompt is the same."""
+        found = self.generations.get(request.id)
+        if found is None or tuple(found.prompt) != request.prompt:
+            return None
+        return found
+
+    def add(self, ids: list[str], generations: list[Generation]) -> None:
+        """Write one part atomically: tensors first, then the index that makes the part visible."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stem = self.directory / f"part_{self.parts:05d}"
+        hidden = {i: g.hidden.contiguous() for i, g in zip(ids, generations) if g.hidden is not None}
+        if hidden:
+            _atomic_write(stem.with_suffix(".safetensors"), lambda path: save_file(hidden, str(path)))
+        items = [{"id": i, "prompt": g.prompt, "output": g.output} for i, g in zip(ids, generations)]
+        _atomic_write(stem.with_suffix(".json"), lambda path: path.write_text(json.dumps(items)))
+        self.generations.update(zip(ids, generations))
+        self.parts += 1
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def generate_all(
+    model: torch.nn.Module,
+    requests: list[Request],
+    store: GenerationStore,
+    settings: GenerationSettings,
+    eos_token_ids: frozenset[int],
+    pad_token_id: int,
+    desc: str,
+) -> dict[str, Generation]:
+    """Generations for every request: cached ones reused, the rest generated in
+    batches of similar prompt length (less padding) and stored as they finish."""
+    pending = sorted((r for r in requests if store.get(r) is None), key=lambda r: len(r.prompt))
+    batches = [pending[i : i + settings.batch_size] for i in range(0, len(pending), settings.batch_size)]
+    new_tokens, start = 0, time.perf_counter()
+    with tqdm(total=len(pending), desc=desc, unit="seq", disable=not pending) as progress:
+        for batch in batches:
+            # Seeded per part, so sampled stages reproduce however often they are resumed.
+            generator = torch.Generator(device=next(model.parameters()).device)
+            generator.manual_seed(settings.sampling.seed * 1_000_003 + store.parts)
+            generations = generate_batch(
+                model, [r.prompt for r in batch], settings, eos_token_ids, pad_token_id, generator
+            )
+            store.add([r.id for r in batch], generations)
+            new_tokens += sum(len(g.output) for g in generations)
+            progress.update(len(batch))
+            progress.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+    return {r.id: store.get(r) for r in requests}  # type: ignore[misc]

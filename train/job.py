@@ -1,0 +1,110 @@
+"""One training run: the loaded target, the composed config, where things go,
+and the drafter registry.
+
+A drafter plugs in as a module listed in :data:`DRAFTERS` that defines
+``train(job: TrainJob) -> Path`` (the artifact directory it wrote) and a
+``Config`` dataclass for its ``drafter.*`` options; ``conf/drafter/<name>.yaml``
+holds its defaults. Everything else (self-distilled data, the training loop,
+W&B, checkpoints) is shared through the job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from omegaconf import DictConfig, OmegaConf
+
+from decoders.config import model_config, to_dataclass
+from decoders.models import load_model
+from decoders.pipeline import Pipeline
+from train.data import DataConfig, Sequence, eval_sequences, self_distilled
+from train.loop import RunLogger
+
+#: drafter name -> module defining ``Config`` and ``train(job)``.
+DRAFTERS: dict[str, str] = {"medusa": "train.medusa"}
+
+
+def drafter_module(name: str) -> ModuleType:
+    if name not in DRAFTERS:
+        raise KeyError(
+            f"unknown drafter {name!r}; drafters: {', '.join(sorted(DRAFTERS))}. A new drafter is a module "
+            "with `Config` and `train(job)`, listed in train/job.py DRAFTERS, with conf/drafter/<name>.yaml."
+        )
+    return importlib.import_module(DRAFTERS[name])
+
+
+@dataclass
+class TrainJob:
+    cfg: DictConfig
+    pipeline: Pipeline
+    logger: RunLogger
+
+    @property
+    def drafter(self) -> str:
+        return self.cfg.drafter.name
+
+    def drafter_config(self, config_cls: type):
+        """The ``drafter`` section as the drafter's Config dataclass (unknown keys are errors)."""
+        options = OmegaConf.to_container(self.cfg.drafter, resolve=True)
+        options.pop("name")  # type: ignore[union-attr]
+        return to_dataclass(config_cls, options, "drafter")
+
+    @property
+    def data_config(self) -> DataConfig:
+        return to_dataclass(DataConfig, self.cfg.train.data, "train.data")
+
+    @property
+    def output_dir(self) -> Path:
+        """Where the artifact goes: ``<artifacts_dir>/<target>/<drafter>`` unless train.output is set."""
+        output = self.cfg.train.get("output")
+        return Path(output) if output else self.pipeline.context.artifact_path(self.drafter)
+
+    @property
+    def data_root(self) -> Path:
+        """The generation cache, shared by all drafters of this target."""
+        data_dir = self.cfg.train.get("data_dir")
+        context = self.pipeline.context
+        return Path(data_dir) if data_dir else context.artifacts_dir / context.target_key / "data"
+
+    @property
+    def resume(self) -> bool:
+        return bool(self.cfg.train.get("resume", True))
+
+    def sequences(self) -> list[Sequence]:
+        """The self-distilled training data (generated on first use, then cached)."""
+        start = time.perf_counter()
+        sequences = self_distilled(self.pipeline, self.data_config, self.data_root)
+        tokens = sum(len(s.response) for s in sequences)
+        print(f"[train] data: {len(sequences)} sequences, {tokens} response tokens "
+              f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)  # fmt: skip
+        return sequences
+
+    def eval_sequences(self) -> list[Sequence]:
+        """Responses to ``train.eval.path`` (e.g. Spec-Bench), measured but never trained on."""
+        evaluation = self.cfg.train.get("eval") or {}
+        if not evaluation.get("path"):
+            return []
+        return eval_sequences(
+            self.pipeline, self.data_config, self.data_root, evaluation["path"], evaluation.get("limit")
+        )
+
+
+def run(cfg: DictConfig) -> Path:
+    """Train ``cfg.drafter`` for ``cfg.model``; returns the artifact directory."""
+    module = drafter_module(cfg.drafter.name)
+    model_cfg = model_config(cfg)
+    target, tokenizer = load_model(model_cfg)
+    pipeline = Pipeline(target, tokenizer, model_config=model_cfg, artifacts_dir=cfg.artifacts_dir)
+    name = f"train-{cfg.drafter.name}-{pipeline.context.target_key}"
+    logger = RunLogger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), name)  # type: ignore[arg-type]
+    try:
+        output = module.train(TrainJob(cfg, pipeline, logger))
+    finally:
+        logger.finish()
+    print(f"[train] {cfg.drafter.name} artifact written to {output}", file=sys.stderr)
+    return output
