@@ -89,7 +89,9 @@ def test_tree_forward_passes_depth_positions_and_the_tree_mask(model) -> None:
     assert "position_ids" not in seen and "attention_mask" not in seen
 
 
-@pytest.mark.parametrize("parents", HAND_BUILT_TREES + [random_parents(10, random.Random(s)) for s in range(3)])
+@pytest.mark.parametrize(
+    "parents", HAND_BUILT_TREES + [random_parents(10, random.Random(s)) for s in range(3)]
+)
 def test_every_tree_node_has_the_logits_of_its_path_run_as_a_chain(model, parents) -> None:
     rng = random.Random(len(parents))
     tokens = [rng.randrange(VOCAB) for _ in parents]

@@ -2,6 +2,6 @@
 
 import decoders  # noqa: F401  (the engine first, so `import verifiers` alone works: its base imports it)
 from verifiers.base import Verifier
-from verifiers import greedy, rejection  # noqa: F401  (registration)
+from verifiers import greedy, rejection, tree, typical  # noqa: F401  (registration)
 
 __all__ = ["Verifier"]

@@ -1,0 +1,482 @@
+"""Tree drafts and tree verification.
+
+* the multi-draft acceptance rule emits exactly the target's distribution under
+  the conditions verifiers/tree.py states (exact enumeration of its branches),
+  and not when they are broken;
+* greedy identity for every tree-producing proposer with verifier=tree;
+* a chi-square test that tree decoding with sampling has standard decoding's
+  distribution on a tiny small-vocabulary model;
+* the draft model's dynamic tree, its cache sync, and the tree budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from decoders.context import PipelineContext
+from decoders.cost import CostCurve
+from decoders.decoding import StopConditions, decode
+from decoders.draft import Draft
+from decoders.models import ModelConfig, tiny_draft_model, tiny_random_model
+from decoders.registry import build, proposer_registry
+from decoders.sampling import SamplingConfig, processed_probs, sample
+from decoders.session import ModelSession
+from decoders.tree_budget import AcceptanceProfile, BudgetTuner, best_budget
+from proposers.base import Proposer
+from proposers.draft_model import follow_tokens
+from proposers.ngram import tree_from_sequences
+from tests.conftest import random_prompts
+from verifiers.greedy import GreedyVerifier
+from verifiers.tree import TreeVerifier, multi_draft_walk, sibling_round
+from verifiers.typical import TypicalVerifier
+
+GREEDY = SamplingConfig()
+
+# ------------------------------------------------------- exact multi-draft acceptance
+
+
+def emitted_distribution(
+    target_probs: torch.Tensor, tokens: list[int], draft_rows: list[torch.Tensor | None]
+) -> torch.Tensor:
+    """Exact distribution of the token one node's rounds emit, for given siblings:
+    each sibling is accepted with its round's probability, else the next is tried,
+    and the correction token comes from the final distribution."""
+    emitted = torch.zeros_like(target_probs)
+    reach = 1.0  # probability that every earlier sibling was rejected
+    probs = target_probs
+    for token, row in zip(tokens, draft_rows):
+        accept_probability, probs_after = sibling_round(probs, token, row)
+        emitted[token] += reach * accept_probability
+        reach *= 1.0 - accept_probability
+        probs = probs_after
+    return emitted + reach * probs
+
+
+def distributions(vocab: int):
+    """Probability vectors with some exact zeros, in float64."""
+    weight = st.one_of(st.just(0.0), st.floats(0.01, 1.0))
+    return (
+        st.lists(weight, min_size=vocab, max_size=vocab)
+        .filter(lambda w: sum(w) > 0.05)
+        .map(lambda w: torch.tensor(w, dtype=torch.float64) / sum(w))
+    )
+
+
+def support(probs: torch.Tensor) -> list[int]:
+    return [int(i) for i in torch.nonzero(probs).flatten()]
+
+
+EXACT = {"rtol": 0.0, "atol": 1e-9}
+
+
+@settings(max_examples=60, deadline=None)
+@given(siblings=st.sampled_from([2, 3]), target_probs=distributions(4), draft_probs=distributions(4))
+def test_iid_sampled_siblings_emit_exactly_the_target_distribution(siblings, target_probs, draft_probs):
+    total = torch.zeros_like(target_probs)
+    for tokens in itertools.product(support(draft_probs), repeat=siblings):
+        weight = float(torch.prod(draft_probs[list(tokens)]))
+        total += weight * emitted_distribution(target_probs, list(tokens), [draft_probs] * siblings)
+    torch.testing.assert_close(total, target_probs, **EXACT)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    target_probs=distributions(4),
+    draft_a=distributions(4),
+    draft_b=distributions(4),
+    draft_c=distributions(4),
+)
+def test_independent_siblings_from_different_drafts_emit_the_target_distribution(
+    target_probs, draft_a, draft_b, draft_c
+):
+    drafts = [draft_a, draft_b, draft_c]
+    total = torch.zeros_like(target_probs)
+    for tokens in itertools.product(*(support(q) for q in drafts)):
+        weight = float(torch.prod(torch.stack([q[t] for q, t in zip(drafts, tokens)])))
+        total += weight * emitted_distribution(target_probs, list(tokens), drafts)
+    torch.testing.assert_close(total, target_probs, **EXACT)
+
+
+@settings(max_examples=40, deadline=None)
+@given(siblings=st.sampled_from([2, 3]), target_probs=distributions(5), draft_probs=distributions(5))
+def test_siblings_sampled_without_replacement_emit_the_target_distribution(
+    siblings, target_probs, draft_probs
+):
+    """Each sibling drawn from q renormalised over the tokens not drawn yet, recorded as its q_i."""
+    if len(support(draft_probs)) < siblings:
+        return
+    total = torch.zeros_like(target_probs)
+    for tokens in itertools.permutations(support(draft_probs), siblings):
+        weight, rows, remaining = 1.0, [], draft_probs.clone()
+        for token in tokens:
+            row = remaining / remaining.sum()
+            weight *= float(row[token])
+            rows.append(row)
+            remaining[token] = 0.0
+        total += weight * emitted_distribution(target_probs, list(tokens), rows)
+    torch.testing.assert_close(total, target_probs, **EXACT)
+
+
+@settings(max_examples=60, deadline=None)
+@given(target_probs=distributions(5), tokens=st.lists(st.integers(0, 4), min_size=2, max_size=3))
+def test_deterministic_siblings_emit_exactly_the_target_distribution(target_probs, tokens):
+    """Any fixed candidates (distinct or not) judged as point masses."""
+    emitted = emitted_distribution(target_probs, tokens, [None] * len(tokens))
+    torch.testing.assert_close(emitted, target_probs, **EXACT)
+
+
+def test_merging_equal_iid_siblings_is_not_lossless():
+    """Condition 2 of verifiers/tree.py matters: a trie of i.i.d. samples merges equal
+    tokens, so the number of siblings depends on the sampled values."""
+    target_probs = torch.tensor([0.4, 0.6, 0.0], dtype=torch.float64)
+    draft_probs = torch.tensor([0.0, 0.4, 0.6], dtype=torch.float64)
+    kept, merged = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for tokens in itertools.product(support(draft_probs), repeat=2):
+        weight = float(draft_probs[tokens[0]] * draft_probs[tokens[1]])
+        unique = list(dict.fromkeys(tokens))
+        kept += weight * emitted_distribution(target_probs, list(tokens), [draft_probs] * 2)
+        merged += weight * emitted_distribution(target_probs, unique, [draft_probs] * len(unique))
+    torch.testing.assert_close(kept, target_probs, **EXACT)
+    torch.testing.assert_close(merged, torch.tensor([0.28, 0.72, 0.0], dtype=torch.float64), **EXACT)
+
+
+def test_sibling_round_on_crafted_numbers():
+    target_probs = torch.tensor([0.5, 0.3, 0.2])
+    draft_probs = torch.tensor([0.2, 0.6, 0.2])
+    accept, residual = sibling_round(target_probs, 1, draft_probs)
+    assert accept == pytest.approx(0.5)  # p/q = 0.3 / 0.6
+    torch.testing.assert_close(residual, torch.tensor([1.0, 0.0, 0.0]))  # norm(max(0, p - q))
+    accept, residual = sibling_round(target_probs, 0, None)
+    assert accept == pytest.approx(0.5)  # point mass: p(x)
+    torch.testing.assert_close(residual, torch.tensor([0.0, 0.6, 0.4]))
+
+
+def test_multi_draft_walk_follows_certain_branches():
+    """Probabilities 0 and 1 make the walk's path predictable."""
+    # root children: 0 (token 5), 1 (token 6); node 1's children: 2 (token 7), 3 (token 8)
+    draft = Draft([5, 6, 7, 8], [-1, -1, 1, 1])
+    target_probs = torch.zeros(5, 10)  # (n + 1, vocab)
+    target_probs[0, 6] = 1.0  # after the pending token: certainly 6
+    target_probs[2, 8] = 1.0  # after node 1: certainly 8
+    target_probs[4, 3] = 1.0  # after node 3 (a leaf): the bonus token is 3
+    for seed in range(5):
+        acceptance = multi_draft_walk(draft, target_probs, torch.Generator().manual_seed(seed))
+        assert acceptance.path == [1, 3] and acceptance.tokens == [6, 8, 3]
+    target_probs[2] = 0.0
+    target_probs[2, 9] = 1.0  # after node 1: certainly 9, no child has it -> correction 9
+    acceptance = multi_draft_walk(draft, target_probs, torch.Generator().manual_seed(0))
+    assert acceptance.path == [1] and acceptance.tokens == [6, 9]
+
+
+# ------------------------------------------------- verifiers on crafted target logits
+
+
+def crafted_logits(choices: list[int], vocab: int = 10) -> torch.Tensor:
+    """(len(choices), vocab) logits whose argmax in row i is choices[i]."""
+    logits = torch.zeros(len(choices), vocab)
+    logits[torch.arange(len(choices)), torch.tensor(choices)] = 5.0
+    return logits
+
+
+def test_chain_verifier_given_a_tree_verifies_its_principal_path():
+    tree = tree_from_sequences([[1, 2, 3], [1, 4], [5, 6]])  # nodes: 1 2 3 4 5 6
+    chain = GreedyVerifier(GreedyVerifier.Config()).prepare(tree)
+    assert chain.is_chain and chain.tokens == [1, 2, 3]
+    assert TreeVerifier(TreeVerifier.Config()).prepare(tree) is tree
+    # The target wants 1 then 4: the tree verifier finds it off the principal path.
+    rows = crafted_logits([1, 4, 0, 0, 0, 0, 0])  # rows: pending, then each node
+    tree_acceptance = TreeVerifier(TreeVerifier.Config()).verify(tree, rows, GREEDY, torch.Generator())
+    assert tree_acceptance.tokens == [1, 4, 0] and tree_acceptance.path == [0, 3]
+    chain_rows = crafted_logits([1, 4, 0, 0])
+    chain_acceptance = GreedyVerifier(GreedyVerifier.Config()).verify(
+        chain, chain_rows, GREEDY, torch.Generator()
+    )
+    assert chain_acceptance.tokens == [1, 4]
+
+
+def test_typical_acceptance_bar_and_deepest_path():
+    verifier = TypicalVerifier(TypicalVerifier.Config(posterior_threshold=0.09, posterior_alpha=0.3))
+    assert not verifier.lossless and verifier.accepts_trees
+    draft = Draft([0, 1, 2, 3], [-1, -1, 0, 1])  # 0 -> 2, 1 -> 3
+    sampling = SamplingConfig(temperature=1.0)
+    # Row 0 (after pending): uniform over 10 tokens, H = ln 10, bar = min(0.09, 0.3 / 10) = 0.03:
+    # tokens 0 and 1 (p = 0.1) pass. Row 1 (after node 0): token 2 has p ~ 0.0003, fails.
+    # Row 2 (after node 1): token 3 is near certain, passes.
+    logits = torch.zeros(5, 10)
+    logits[1, 5] = 10.0
+    logits[2, 3] = 10.0
+    acceptance = verifier.verify(draft, logits, sampling, torch.Generator().manual_seed(0))
+    assert acceptance.path == [1, 3] and acceptance.tokens[:2] == [1, 3]
+    # At temperature 0 it is greedy.
+    greedy = verifier.verify(draft, crafted_logits([0, 2, 0, 0, 0]), GREEDY, torch.Generator())
+    assert greedy.path == [0, 2]
+    with pytest.raises(ValueError, match="posterior_threshold"):
+        TypicalVerifier(TypicalVerifier.Config(posterior_threshold=0.0))
+
+
+# --------------------------------------------------------------- greedy identity
+
+
+TREE_PROPOSERS = [
+    {"name": "ngram", "branches": 3, "k": 4},
+    {"name": "ngram", "branches": 2, "k": 7, "min_n": 2},
+    {"name": "draft_model", "tree": True, "k": 4, "tree_width": 3, "tree_budget": 10},
+    {"name": "draft_model", "tree": True, "k": 6, "tree_width": 2, "tree_budget": 30},
+    {"name": "draft_model", "tree": True, "k": 3, "tree_budget": "auto"},
+]
+
+
+@pytest.mark.parametrize("proposer", TREE_PROPOSERS, ids=lambda p: "-".join(f"{v}" for v in p.values()))
+def test_tree_decoding_is_identical_to_standard_greedy(tiny_pipeline, proposer, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # tree_budget=auto measures a cost curve
+    pipeline = tiny_pipeline.with_components(proposer, "tree")
+    branched_rounds = accepted = 0
+    for prompt in random_prompts(6, seed=5):
+        for max_new in (1, 6, 30):
+            expected = tiny_pipeline.generate(prompt, max_new).tokens
+            result = pipeline.generate(prompt, max_new)
+            assert result.tokens == expected, (proposer, prompt, max_new)
+            accepted += result.stats.accepted
+            branched_rounds += sum(size > proposer["k"] for size in result.stats.draft_sizes)
+    assert accepted > 0 and branched_rounds > 0, "no tree was drafted or nothing accepted"
+
+
+@pytest.mark.parametrize("proposer", TREE_PROPOSERS[::2], ids=lambda p: p["name"])
+def test_eos_inside_a_tree_draft_stops_generation(tiny_pipeline, proposer):
+    pipeline = tiny_pipeline.with_components(proposer, "tree")
+    config = tiny_pipeline.model.generation_config
+    saved = config.eos_token_id
+    try:
+        for prompt in random_prompts(6, seed=9):
+            config.eos_token_id = saved
+            free = tiny_pipeline.generate(prompt, 30).tokens
+            eos = free[len(free) // 2]
+            config.eos_token_id = eos
+            expected = free[: free.index(eos) + 1]
+            assert tiny_pipeline.generate(prompt, 30).tokens == expected
+            assert pipeline.generate(prompt, 30).tokens == expected
+    finally:
+        config.eos_token_id = saved
+
+
+def test_chain_verifier_with_a_tree_proposer_sees_chains_and_stays_identical(tiny_pipeline):
+    proposer = {"name": "ngram", "branches": 3, "k": 4}
+    pipeline = tiny_pipeline.with_components(proposer, "greedy")
+    for prompt in random_prompts(6, seed=2):
+        result = pipeline.generate(prompt, 20)
+        assert result.tokens == tiny_pipeline.generate(prompt, 20).tokens
+        assert max(result.stats.draft_sizes) <= proposer["k"]  # only the principal path was verified
+
+
+# ------------------------------------------------------ the draft model's dynamic tree
+
+
+def tiny_context(model: torch.nn.Module, **model_options) -> PipelineContext:
+    return PipelineContext(model, None, ModelConfig(name="tiny-random", **model_options))
+
+
+def test_dynamic_tree_nodes_are_the_draft_models_top_children(tiny_model, tiny_config):
+    """Every node is among its parent's tree_width most probable tokens under the draft
+    run as a plain chain, the tree respects the budget, and the draft's cache after a
+    round equals a fresh run on the committed tokens."""
+    model, _ = tiny_model
+    config = {"name": "draft_model", "tree": True, "k": 3, "tree_width": 3, "tree_budget": 9}
+    proposer = build(proposer_registry, config, context=PipelineContext(model, None, tiny_config))
+    draft_model = proposer.model
+    seen_trees = []
+
+    def checked_draft_tree(root_logits):
+        committed = list(proposer.session.cached)
+        fresh = ModelSession(draft_model).forward(committed)[-1]
+        torch.testing.assert_close(root_logits, fresh, rtol=0, atol=1e-10)
+        tree = original(root_logits)
+        seen_trees.append(tree)
+        assert len(tree) <= 9 and tree.draft_probs is None
+        for node in range(len(tree)):
+            path = [i for i in range(len(tree)) if i == node or _is_ancestor(tree, i, node)]
+            prefix = committed + [tree.tokens[i] for i in path[:-1]]
+            top = ModelSession(draft_model).forward(prefix)[-1].topk(3).indices.tolist()
+            assert tree.tokens[node] in top
+        return tree
+
+    original = proposer._draft_tree
+    proposer._draft_tree = checked_draft_tree
+    target = ModelSession(model)
+    for prompt in random_prompts(3, seed=4):
+        decode(target, prompt, StopConditions(12), GREEDY, proposer, TreeVerifier(TreeVerifier.Config()))
+    assert any(not tree.is_chain for tree in seen_trees)
+
+
+def _is_ancestor(draft: Draft, candidate: int, node: int) -> bool:
+    while node >= 0:
+        node = draft.parents[node]
+        if node == candidate:
+            return True
+    return False
+
+
+def test_follow_tokens_finds_the_accepted_path():
+    tree = tree_from_sequences([[1, 2, 3], [1, 4], [5, 6]])
+    assert follow_tokens(tree, [1, 4, 9]) == [0, 3]
+    assert follow_tokens(tree, [5, 6, 7]) == [4, 5]
+    assert follow_tokens(tree, [7]) == []
+
+
+def test_tree_option_is_validated(tiny_model, tiny_config):
+    model, _ = tiny_model
+    context = PipelineContext(model, None, tiny_config)
+    with pytest.raises(ValueError, match="tree_budget must be a positive integer or auto"):
+        build(proposer_registry, {"name": "draft_model", "tree": True, "tree_budget": "big"}, context=context)
+    chain = build(proposer_registry, {"name": "draft_model"}, context=context)
+    assert chain.sampled and not chain.config.tree  # the chain stays the default
+
+
+# ------------------------------------------------------------------- tree budget
+
+
+def test_acceptance_profile_counts_tried_and_accepted_nodes():
+    tree = tree_from_sequences([[1, 2, 3], [1, 4], [5, 6]])  # root children 0 (1), 4 (5)
+    profile = AcceptanceProfile()
+    profile.record(tree, [0, 3])  # accepted 1 then 4 (node 0's second child)
+    assert profile.tried == Counter({(0, 0): 1, (0, 1): 1, (1, 0): 1, (1, 1): 1})
+    assert profile.accepted == Counter({(0, 0): 1, (1, 1): 1})
+    profile.record(tree, [])
+    assert profile.rate(0, 0) == 0.5 and profile.rate(1, 1) == 1.0 and profile.rate(5, 0) == 0.0
+
+
+def test_node_probabilities_and_best_budget():
+    profile = AcceptanceProfile()
+    rates = {(0, 0): 0.8, (0, 1): 0.1, (1, 0): 0.5, (2, 0): 0.5}
+    for key, rate in rates.items():
+        profile.tried[key] = 10
+        profile.accepted[key] = round(rate * 10)
+    # paths (ranks): 0 -> 0.8, 0.0 -> 0.4, 0.0.0 -> 0.2, 1 -> 0.1, 1.0 -> 0.05, 1.0.0 -> 0.025;
+    # depth 3 was never accepted, so nothing deeper.
+    values = [0.8, 0.4, 0.2, 0.1, 0.05, 0.025]
+    assert profile.node_probabilities(10) == pytest.approx(values)
+    assert profile.node_probabilities(2) == pytest.approx(values[:2])
+    flat = CostCurve({1: 1.0, 64: 1.0})  # wide passes are free: take every useful node
+    assert best_budget(profile, flat, 0.0, 20)[0] == 6
+    steep = CostCurve({1: 1.0, 2: 2.0, 64: 64.0})  # T(n) = n: no node pays for itself beyond the first
+    n, tokens_per_s = best_budget(profile, steep, 0.0, 20)
+    assert n == 1 and tokens_per_s == pytest.approx(1.8 / 2.0)
+    # T(n) = 1 + 0.1 n with a draft cost of 0.5: brute force over n
+    linear = CostCurve({1: 1.1, 64: 7.4})
+    rates_by_n = {n: (1 + sum(values[:n])) / (1 + 0.1 * (n + 1) + 0.5) for n in range(1, 20)}
+    assert best_budget(profile, linear, 0.5, 19)[0] == max(rates_by_n, key=rates_by_n.get)
+
+
+def test_budget_tuner_explores_then_retunes_once_per_period():
+    calls = []
+
+    def curve() -> CostCurve:
+        calls.append(1)
+        return CostCurve({1: 1.0, 2: 2.0, 64: 64.0})
+
+    profile = AcceptanceProfile()
+    tuner = BudgetTuner(profile, curve, max_nodes=12, every=4)
+    assert tuner.budget == 12  # explores the full tree first
+    for _ in range(8):
+        tuner.observe_draft_seconds(0.0)
+    assert tuner.budget == 1 and len(calls) == 1
+
+
+# ------------------------------------------- sampling: the target's distribution, end to end
+
+
+class IidTreeProposer(Proposer):
+    """A test proposer drawing sampled trees that meet verifiers/tree.py's conditions:
+    three i.i.d. root children from the draft's q (duplicates kept apart), each with
+    one child drawn from q given its own path."""
+
+    def __init__(self, draft_model: torch.nn.Module) -> None:
+        self.draft = draft_model
+
+    def propose(self, state) -> Draft:
+        session = ModelSession(self.draft)
+        root_probs = processed_probs(session.forward(state.tokens)[-1], state.sampling)  # (vocab,)
+        roots = [int(sample(root_probs, state.generator)) for _ in range(3)]
+        child_probs = processed_probs(session.forward(roots, [-1, -1, -1]), state.sampling)  # (3, vocab)
+        children = sample(child_probs, state.generator).tolist()
+        draft_probs = torch.cat([root_probs.expand(3, -1), child_probs])  # (6, vocab)
+        return Draft(roots + children, [-1, -1, -1, 0, 1, 2], draft_probs)
+
+
+SMALL_VOCAB = 12
+
+
+@pytest.fixture(scope="module")
+def small_target() -> torch.nn.Module:
+    return tiny_random_model(vocab_size=SMALL_VOCAB, hidden_size=64, num_layers=2, seed=0).double()
+
+
+def exact_second_and_third_token_probs(model, prompt, sampling) -> torch.Tensor:
+    """(vocab, vocab) exact P(2nd, 3rd generated token) under standard sampling."""
+    with torch.no_grad():
+        first = processed_probs(model(torch.tensor([prompt])).logits[0, -1], sampling)  # (V,)
+        contexts = torch.tensor([prompt + [a] for a in range(SMALL_VOCAB)])
+        second = processed_probs(model(contexts).logits[:, -1], sampling)  # (V, V)
+        contexts = torch.tensor([prompt + [a, b] for a in range(SMALL_VOCAB) for b in range(SMALL_VOCAB)])
+        third = processed_probs(model(contexts).logits[:, -1], sampling).view(SMALL_VOCAB, SMALL_VOCAB, -1)
+    joint = first[:, None, None] * second[:, :, None] * third  # (V, V, V) over tokens 1, 2, 3
+    return joint.sum(0).double()
+
+
+def chi_square_p_value(counts: Counter, expected_probs: torch.Tensor, samples: int) -> float:
+    """Goodness of fit, cells with fewer than 5 expected samples pooled into one."""
+    expected = (expected_probs.flatten() * samples).tolist()
+    observed = [counts.get(divmod(cell, SMALL_VOCAB), 0) for cell in range(len(expected))]
+    big = [i for i, e in enumerate(expected) if e >= 5]
+    small = [i for i, e in enumerate(expected) if e < 5]
+    f_obs = [observed[i] for i in big] + [sum(observed[i] for i in small)]
+    f_exp = [expected[i] for i in big] + [sum(expected[i] for i in small)]
+    assert sum(f_obs) == samples
+    assert sum(f_exp) == pytest.approx(samples, rel=1e-5)
+    f_exp = [e * samples / sum(f_exp) for e in f_exp]  # float32 probabilities: exact totals
+    return float(chisquare(f_obs, f_exp).pvalue)
+
+
+def sampled_proposers(target: torch.nn.Module) -> dict[str, Proposer]:
+    context = tiny_context(target, vocab_size=SMALL_VOCAB)
+    return {
+        "iid_sampled_tree": IidTreeProposer(tiny_draft_model(target)),
+        "draft_model_tree": build(
+            proposer_registry, {"name": "draft_model", "tree": True, "k": 2, "tree_width": 3}, context=context
+        ),
+    }
+
+
+@pytest.mark.parametrize("proposer_name", ["iid_sampled_tree", "draft_model_tree"])
+def test_tree_sampling_has_the_standard_distribution(small_target, proposer_name):
+    """With max_new_tokens=3 the first round verifies the root siblings (the tree cut to
+    depth 1, as the decode loop does near max_new_tokens): the 2nd and 3rd tokens are an
+    accepted sibling and its bonus token, or a correction and the next round's token.
+    Their joint frequencies over many seeds must fit the exact standard probabilities.
+    (Sampled siblings stand for the i.i.d. rule, the draft model's deterministic top-k
+    tree for the point-mass rule, which ngram trees share.)"""
+    samples = 800
+    sampling = SamplingConfig(temperature=1.0, top_k=8)
+    generator = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, SMALL_VOCAB, (16,), generator=generator).tolist()
+    proposer = sampled_proposers(small_target)[proposer_name]
+    verifier = TreeVerifier(TreeVerifier.Config())
+    target = ModelSession(small_target)
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(samples):
+        output = decode(target, prompt, StopConditions(3), replace(sampling, seed=seed), proposer, verifier)
+        assert output.stats.draft_sizes[0] == 3  # three root siblings verified
+        counts[tuple(output.tokens[1:3])] += 1
+        accepted += output.stats.accepted
+    assert accepted > samples // 5, "siblings were hardly ever accepted: the test exercised little"
+    expected = exact_second_and_third_token_probs(small_target, prompt, sampling)
+    p_value = chi_square_p_value(counts, expected, samples)
+    assert p_value > 1e-3, p_value
