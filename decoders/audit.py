@@ -20,9 +20,10 @@ Two checks; the verdict is printed and the figures written to ``audit.output``:
   prefixes and the pipeline's samples (one per seed) get a chi-square
   goodness-of-fit test. Otherwise the pipeline's and standard decoding's samples
   (disjoint seeds) get a two-sample chi-square test. Both tests follow the chain
-  rule: the first token's distribution, then the next token's after each sampled
-  prefix, each over the most frequent tokens with the rare ones binned together.
-  The statistics of these conditional tests, and of independent prompts, add up.
+  rule: position i's test covers the next token after every sampled prefix of
+  length i, each over the most frequent tokens with the rare ones binned
+  together; conditional tests, and independent prompts, add up. The reported
+  p-value is Bonferroni's over the positions (smallest p-value times their number).
 
 A lossy verifier (``lossless = False``) is refused unless
 ``audit.require_lossless=false``, in which case the audit measures its loss.
@@ -187,14 +188,13 @@ def next_token_counts(outcomes: Counter) -> dict[Outcome, Counter]:
     return children
 
 
-def sequential_goodness_of_fit(observed: Counter, expected_probs: dict[Outcome, float]) -> ChiSquare:
-    """Goodness of fit of sampled token sequences, by the chain rule.
+def sequential_goodness_of_fit(observed: Counter, expected_probs: dict[Outcome, float]) -> list[ChiSquare]:
+    """Goodness of fit of sampled token sequences by the chain rule, one test per position.
 
-    The joint distribution of sequences is tested as one test of the first token
-    plus, for each sampled prefix, a test of the next token given it. These
-    conditional statistics are asymptotically independent under the null
-    hypothesis, so they add; unlike one test over whole sequences, rare
-    sequences do not all land in one bin.
+    Position i's test sums, over the sampled prefixes of length i, the test of the
+    next token given that prefix. Under the null hypothesis these conditional
+    statistics are asymptotically independent chi-squares, so they add; unlike
+    one test over whole sequences, rare sequences do not all land in one bin.
     """
     marginal: dict[Outcome, float] = {}
     for outcome, prob in expected_probs.items():
@@ -204,24 +204,41 @@ def sequential_goodness_of_fit(observed: Counter, expected_probs: dict[Outcome, 
     for prefix, prob in marginal.items():
         if prefix:
             expected_children.setdefault(prefix[:-1], {})[prefix[-1]] = prob
-    total = ChiSquare()
+    positions = [ChiSquare() for _ in range(max(map(len, expected_probs), default=0))]
     for prefix, counts in next_token_counts(observed).items():
         if marginal.get(prefix, 0.0) <= 0:
             continue  # an impossible prefix: its parent's test already counted it
         conditional = {token: prob / marginal[prefix] for token, prob in expected_children[prefix].items()}
-        total += goodness_of_fit(counts, conditional)
-    return total
+        positions[len(prefix)] += goodness_of_fit(counts, conditional)
+    return positions
 
 
-def sequential_two_sample(first: Counter, second: Counter) -> ChiSquare:
-    """Two-sample test of token sequences by the chain rule (see
-    :func:`sequential_goodness_of_fit`): the first token, then the next token
+def sequential_two_sample(first: Counter, second: Counter) -> list[ChiSquare]:
+    """Two-sample test of token sequences by the chain rule, one test per position
+    (see :func:`sequential_goodness_of_fit`): the first token, then the next token
     after every prefix both samples reached."""
     first_children, second_children = next_token_counts(first), next_token_counts(second)
-    total = ChiSquare()
+    positions = [ChiSquare() for _ in range(max(map(len, first | second), default=0))]
     for prefix in first_children.keys() & second_children.keys():
-        total += two_sample(first_children[prefix], second_children[prefix])
-    return total
+        positions[len(prefix)] += two_sample(first_children[prefix], second_children[prefix])
+    return positions
+
+
+def combined_p_value(positions: list[ChiSquare]) -> float:
+    """Bonferroni over the positions' tests: the smallest p-value times their number.
+
+    Testing each position separately keeps a difference at one position from
+    being diluted by the degrees of freedom of the others.
+    """
+    tested = [test for test in positions if test.dof or test.impossible]
+    return min(1.0, len(tested) * min(test.p_value for test in tested)) if tested else 1.0
+
+
+def add_positions(total: list[ChiSquare], positions: list[ChiSquare]) -> list[ChiSquare]:
+    """Position-wise sum of independent prompts' tests."""
+    width = max(len(total), len(positions))
+    pad = [ChiSquare()] * width
+    return [a + b for a, b in zip((total + pad)[:width], (positions + pad)[:width])]
 
 
 # ------------------------------------------------------------ exact and sampled
@@ -369,7 +386,7 @@ def sampling_audit(
     length = audit.sampled_tokens
     seeds = range(audit.samples)
     standard_seeds = range(10**6, 10**6 + audit.samples)  # disjoint from the pipeline's
-    total = ChiSquare()
+    totals: list[ChiSquare] = []
     per_prompt = []
     progress = tqdm(total=len(prompts) * audit.samples * (1 if exact else 2), desc="sampling")
     for prompt_id, prompt_ids in prompts:
@@ -378,28 +395,35 @@ def sampling_audit(
             expected = exact_distribution(
                 standard.model, prompt_ids, standard.sampling, length, standard.eos_token_ids()
             )
-            test = sequential_goodness_of_fit(observed, expected)
+            positions = sequential_goodness_of_fit(observed, expected)
         else:
             reference = sample_outcomes(standard, prompt_ids, length, standard_seeds, progress)
-            test = sequential_two_sample(observed, reference)
-        total += test
+            positions = sequential_two_sample(observed, reference)
+        totals = add_positions(totals, positions)
         per_prompt.append(
-            {"prompt": prompt_id, "p_value": test.p_value, "statistic": test.statistic, "dof": test.dof,
-             "impossible": test.impossible, "distinct_outcomes": len(observed)}
-        )  # fmt: skip
+            {"prompt": prompt_id, "p_value": combined_p_value(positions), "distinct_outcomes": len(observed)}
+        )
     progress.close()
+    p_value = combined_p_value(totals)
     return {
         "method": "exact" if exact else "two_sample",
         "prompts": len(prompts),
         "sampled_tokens": length,
         "pipeline_samples": audit.samples * len(prompts),
         "standard_samples": 0 if exact else audit.samples * len(prompts),
-        "statistic": total.statistic,
-        "dof": total.dof,
-        "impossible": total.impossible,
-        "p_value": total.p_value,
+        "p_value": p_value,
         "alpha": audit.alpha,
-        "passed": total.p_value >= audit.alpha,
+        "passed": p_value >= audit.alpha,
+        "positions": [
+            {
+                "position": i,
+                "statistic": t.statistic,
+                "dof": t.dof,
+                "impossible": t.impossible,
+                "p_value": t.p_value,
+            }
+            for i, t in enumerate(totals)
+        ],
         "per_prompt": per_prompt,
     }
 
