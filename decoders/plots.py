@@ -3,7 +3,7 @@
     speedup_by_category.png  speedup of each pipeline and peer per workload category
     tau_distribution.png     how many tokens each speculative round emitted
     cost_curve.png           the target's pass cost T(n) / T(1), the physical limit's input
-    speedup_vs_<option>.png  a sweep's speedup against draft length or tree size (report)
+    speedup_vs_<option>.png  a sweep's speedup and tau against draft length or tree size (report)
 
 Figures are built with matplotlib's object API (``Figure``, rendered by Agg), so
 no GUI backend or pyplot global state is involved.
@@ -100,28 +100,34 @@ def cost_curve(payload: dict, path: Path) -> Path:
 
 
 def speedup_vs_parameter(rows: list[dict], parameter: str, path: Path) -> Path:
-    """A sweep's speedup against one option (``x``), one line per ``series``.
+    """A sweep against one option (``x``): speedup (left) and tau (right), one line per ``series``.
 
-    rows: dicts with ``series``, ``x``, ``speedup`` and optionally ``speedup_std``.
+    rows: dicts with ``series``, ``x``, ``speedup``, ``mean_accepted_tokens`` and
+    optionally ``speedup_std``.
     """
-    figure = Figure(figsize=(6.5, 4.5))
-    axes = figure.subplots()
+    figure = Figure(figsize=(11.0, 4.5))
+    speedup_axes, tau_axes = figure.subplots(1, 2)
     for series in dict.fromkeys(r["series"] for r in rows):
         points = sorted((r for r in rows if r["series"] == series), key=lambda r: r["x"])
+        x = [r["x"] for r in points]
         errors = [r.get("speedup_std") or 0.0 for r in points]
-        axes.errorbar(
-            [r["x"] for r in points],
+        speedup_axes.errorbar(
+            x,
             [r["speedup"] for r in points],
             yerr=errors if any(errors) else None,
             marker="o",
             capsize=3,
             label=series,
         )
-    axes.axhline(1.0, **STANDARD_LINE, label="standard (1.0)")
-    axes.set_xlabel(parameter)
-    axes.set_ylabel("speedup over standard decoding (x)")
-    axes.set_title(f"Speedup against {parameter}")
-    axes.legend(fontsize=8)
+        tau_axes.plot(x, [r["mean_accepted_tokens"] for r in points], marker="o", label=series)
+    speedup_axes.axhline(1.0, **STANDARD_LINE, label="standard (1.0)")
+    speedup_axes.set_ylabel("speedup over standard decoding (x)")
+    speedup_axes.set_title(f"Speedup against {parameter}")
+    tau_axes.set_ylabel("tokens per target pass (tau)")
+    tau_axes.set_title(f"Tau against {parameter}")
+    for axes in (speedup_axes, tau_axes):
+        axes.set_xlabel(parameter)
+        axes.legend(fontsize=8)
     return _save(figure, path)
 
 

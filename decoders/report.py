@@ -159,7 +159,11 @@ def sweep_plot(rows: list[dict], varying: list[str], directory: Path) -> Path | 
             continue
         label = ", ".join([row["pipeline"]] + [f"{key}={row['options'].get(key)}" for key in others])
         points.append(
-            {"series": label, "x": row["options"][option], **{k: row[k] for k in ("speedup", "speedup_std")}}
+            {
+                "series": label,
+                "x": row["options"][option],
+                **{k: row[k] for k in ("speedup", "speedup_std", "mean_accepted_tokens")},
+            }
         )
     return speedup_vs_parameter(points, option, directory / f"speedup_vs_{option.split('.')[-1]}.png")
 
