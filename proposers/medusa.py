@@ -27,12 +27,15 @@ Drafts:
 The K base projections share one weight, so the proposer computes all heads'
 base logits with one matmul (one read of W_lm, the dominant cost on a CPU)
 and adds each head's low-rank LoRA term; :meth:`MedusaHeads.forward`, used in
-training, runs the PEFT layers themselves. Both give the same logits.
+training, runs the PEFT layers themselves. Both give the same logits. By
+default drafting is further restricted to the ``draft_vocab_size`` tokens most
+frequent in the training responses (a slice of W_lm; other tokens get
+probability 0 in the draft distribution, which keeps sampling lossless).
 
 Artifact layout (written by ``python -m train drafter=medusa``)::
 
     medusa.json         architecture, target key, training summary, default tree
-    heads.safetensors   the residual blocks
+    heads.safetensors   the residual blocks, and the tokens ranked by training frequency
     adapter/            PEFT LoRA adapter of the heads' lm projections
 """
 
@@ -55,6 +58,7 @@ from proposers.base import Proposer
 
 CONFIG_FILE = "medusa.json"
 BLOCKS_FILE = "heads.safetensors"
+RANKING_KEY = "token_ranking"
 ADAPTER_DIR = "adapter"
 LORA_TARGETS = r"lm_heads\.\d+"  # PEFT target_modules: every head's lm projection
 
@@ -97,16 +101,75 @@ class MedusaHeads(nn.Module):
         """hidden (..., hidden) -> logits (..., K, vocab), through the PEFT layers."""
         return torch.stack([lm(block(hidden)) for block, lm in zip(self.blocks, self.lm_heads)], dim=-2)
 
+    def prepare_drafting(self, token_ids: torch.Tensor | None = None) -> None:
+        """Gather the (trained) projections for :meth:`fused_logits`; ``token_ids``
+        restricts drafting to those tokens (None = the whole vocabulary)."""
+        self._drafting = DraftProjection.gather(self, token_ids)
+
     def fused_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (hidden,) -> logits (K, vocab), the same values as :meth:`forward`
-        with one matmul against the shared base weight for all heads."""
+        """hidden (hidden,) -> logits (K, vocab): the values of :meth:`forward`, from one
+        matmul against the shared base weight for all heads. Tokens outside the
+        drafting vocabulary get the dtype's lowest value (probability 0)."""
+        if self._drafting is None:
+            self.prepare_drafting()
         residual = torch.stack([block(hidden) for block in self.blocks])  # (K, hidden)
-        base = self.lm_heads[0].base_layer if _has_lora(self.lm_heads[0]) else self.lm_heads[0]
-        logits = base(residual)  # (K, vocab)
-        for k, projection in enumerate(self.lm_heads):
-            if _has_lora(projection):
-                logits[k] += _lora_delta(projection, residual[k])
-        return logits
+        return self._drafting.logits(residual)  # type: ignore[union-attr]
+
+    _drafting: DraftProjection | None = None
+
+
+@dataclass
+class DraftProjection:
+    """All heads' lm projections for drafting: the base weight rows once, LoRA per head.
+
+    Drafting reads the base weight once per round for all K heads (PEFT's layers
+    would read it K times), and only the rows of the drafting vocabulary.
+    """
+
+    token_ids: torch.Tensor | None  # (n,) drafting vocabulary, None = all tokens
+    weight: torch.Tensor  # (n, hidden) base weight rows
+    bias: torch.Tensor | None  # (n,)
+    lora_a: torch.Tensor  # (K, rank, hidden)
+    lora_b: torch.Tensor  # (K, n, rank), LoRA scale folded in
+    vocab_size: int
+
+    @classmethod
+    def gather(cls, heads: MedusaHeads, token_ids: torch.Tensor | None) -> DraftProjection:
+        base = _base_layer(heads.lm_heads[0])
+        rows = slice(None) if token_ids is None else token_ids
+        lora_a, lora_b = [], []
+        for projection in heads.lm_heads:
+            adapters = list(getattr(projection, "active_adapters", []))
+            if len(adapters) > 1:
+                raise ValueError(f"Medusa heads support one LoRA adapter per head, found {adapters}")
+            if adapters:
+                name = adapters[0]
+                lora_a.append(projection.lora_A[name].weight)  # (rank, hidden)
+                lora_b.append(projection.lora_B[name].weight[rows] * projection.scaling[name])  # (n, rank)
+            else:  # no adapter: a zero low-rank term
+                lora_a.append(base.weight.new_zeros(1, base.in_features))
+                lora_b.append(base.weight[rows].new_zeros(base.weight[rows].shape[0], 1))
+        return cls(
+            token_ids,
+            base.weight[rows].detach(),
+            None if base.bias is None else base.bias[rows].detach(),
+            torch.stack(lora_a).detach(),
+            torch.stack(lora_b).detach(),
+            base.out_features,
+        )
+
+    def logits(self, residual: torch.Tensor) -> torch.Tensor:
+        """residual (K, hidden) -> (K, vocab)."""
+        logits = residual @ self.weight.T  # (K, n)
+        if self.bias is not None:
+            logits = logits + self.bias
+        low_rank = torch.einsum("krh,kh->kr", self.lora_a, residual)  # (K, rank)
+        logits = logits + torch.einsum("knr,kr->kn", self.lora_b, low_rank)  # (K, n)
+        if self.token_ids is None:
+            return logits
+        full = logits.new_full((len(residual), self.vocab_size), torch.finfo(logits.dtype).min)  # (K, vocab)
+        full[:, self.token_ids] = logits
+        return full
 
 
 def _shared_projection(lm_head: nn.Linear) -> nn.Linear:
@@ -119,18 +182,9 @@ def _shared_projection(lm_head: nn.Linear) -> nn.Linear:
     return projection
 
 
-def _has_lora(projection: nn.Module) -> bool:
-    return hasattr(projection, "lora_A")
-
-
-def _lora_delta(projection: nn.Module, residual: torch.Tensor) -> torch.Tensor:
-    """scale * B A residual for every active adapter of a PEFT LoRA Linear: (vocab,)."""
-    delta = torch.zeros((), dtype=residual.dtype, device=residual.device)
-    for adapter in projection.active_adapters:
-        lora_a = projection.lora_A[adapter]
-        lora_b = projection.lora_B[adapter]
-        delta = delta + lora_b(lora_a(residual)) * projection.scaling[adapter]
-    return delta
+def _base_layer(projection: nn.Module) -> nn.Linear:
+    """The plain Linear under a PEFT LoRA layer (or the Linear itself)."""
+    return getattr(projection, "base_layer", projection)
 
 
 # ---------------------------------------------------------------- artifact I/O
@@ -138,19 +192,27 @@ def _lora_delta(projection: nn.Module, residual: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class MedusaArtifact:
-    """A loaded artifact: heads (adapter applied) and the metadata in medusa.json."""
+    """A loaded artifact: heads (adapter applied), metadata (medusa.json), and the
+    target's tokens ranked by how often they occur in the training responses."""
 
     heads: MedusaHeads
     meta: dict
+    token_ranking: torch.Tensor | None  # (seen tokens,) most frequent first
 
 
-def save_artifact(peft_heads: nn.Module, directory: Path, meta: dict) -> None:
+def save_artifact(
+    peft_heads: nn.Module, directory: Path, meta: dict, token_ranking: torch.Tensor | None = None
+) -> None:
     """Write adapter/, heads.safetensors and medusa.json (``peft_heads`` is the PeftModel)."""
     directory.mkdir(parents=True, exist_ok=True)
     heads: MedusaHeads = peft_heads.get_base_model()
     peft_heads.save_pretrained(str(directory / ADAPTER_DIR))
-    blocks = {name: tensor.detach().contiguous() for name, tensor in heads.blocks.state_dict().items()}
-    save_file(blocks, str(directory / BLOCKS_FILE))
+    tensors = {
+        f"blocks.{name}": tensor.detach().contiguous() for name, tensor in heads.blocks.state_dict().items()
+    }
+    if token_ranking is not None:
+        tensors[RANKING_KEY] = token_ranking.contiguous()
+    save_file(tensors, str(directory / BLOCKS_FILE))
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
 
 
@@ -166,11 +228,13 @@ def load_artifact(directory: Path, lm_head: nn.Linear) -> MedusaArtifact:
             f"hidden size {meta['hidden_size']}, but this target has {vocab_size} and {hidden_size}; "
             "retrain them for this target with `python -m train drafter=medusa`."
         )
+    tensors = load_file(str(directory / BLOCKS_FILE))
+    token_ranking = tensors.pop(RANKING_KEY, None)
     heads = MedusaHeads(lm_head, meta["num_heads"])
-    heads.blocks.load_state_dict(load_file(str(directory / BLOCKS_FILE)))
+    heads.blocks.load_state_dict({name.removeprefix("blocks."): tensor for name, tensor in tensors.items()})
     PeftModel.from_pretrained(heads, str(directory / ADAPTER_DIR))  # injects LoRA into `heads`
     heads.to(lm_head.weight.dtype).eval().requires_grad_(False)
-    return MedusaArtifact(heads, meta)
+    return MedusaArtifact(heads, meta, token_ranking)
 
 
 # ---------------------------------------------------------------- trees
@@ -236,6 +300,9 @@ class MedusaProposer(Proposer):
         # null = chain of top-1 tokens; a list of Medusa choice paths, e.g.
         # [[0], [1], [0, 0]]; or "auto" = the tree stored with the artifact.
         tree: Any = None
+        # Heads propose only the N tokens most frequent in their training responses:
+        # drafting then reads N rows of the lm_head weight, not all of it. 0 = all tokens.
+        draft_vocab_size: int = 8192
 
     sampled = True
     needs_hidden = True
@@ -251,6 +318,15 @@ class MedusaProposer(Proposer):
         artifact = load_artifact(directory, context.target.get_output_embeddings())
         self.heads = artifact.heads
         self.meta = artifact.meta
+        if config.draft_vocab_size < 0:
+            raise ValueError(
+                f"proposer.draft_vocab_size must be >= 0 (0 = all tokens), got {config.draft_vocab_size}"
+            )
+        draft_vocab = None
+        if config.draft_vocab_size and artifact.token_ranking is not None:
+            draft_vocab = artifact.token_ranking[: config.draft_vocab_size].sort().values
+            draft_vocab = draft_vocab.to(context.target.get_output_embeddings().weight.device)
+        self.heads.prepare_drafting(draft_vocab)
         self.num_heads = config.num_heads or self.heads.num_heads
         if not 1 <= self.num_heads <= self.heads.num_heads:
             raise ValueError(
@@ -283,6 +359,7 @@ class MedusaProposer(Proposer):
         return {
             "num_heads": self.num_heads,
             "tree_nodes": None if self.tree is None else len(self.tree[0]),
+            "draft_vocab_size": self.config.draft_vocab_size,
             "trainable_parameters": self.meta.get("trainable_parameters"),
             "heads_top1_heldout": self.meta.get("metrics", {}).get("top1"),
         }

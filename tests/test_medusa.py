@@ -68,9 +68,27 @@ def test_best_tree_takes_the_likeliest_paths():
 
 
 def test_fused_logits_equal_the_peft_forward(base):
-    heads = base.with_components("medusa", "greedy").proposer.heads
+    heads = base.with_components({"name": "medusa", "draft_vocab_size": 0}, "greedy").proposer.heads
     hidden = torch.randn(64, dtype=torch.float64)
     torch.testing.assert_close(heads.fused_logits(hidden), heads(hidden))
+
+
+def test_drafting_vocabulary_keeps_the_most_frequent_training_tokens(base, artifacts):
+    proposer = base.with_components({"name": "medusa", "draft_vocab_size": 40}, "greedy").proposer
+    ranking = load_artifact(
+        artifacts / "tiny-random-v320-h64-l2-s0" / "medusa", base.model.lm_head
+    ).token_ranking
+    allowed = ranking[:40]
+    hidden = torch.randn(64, dtype=torch.float64)
+    logits = proposer.heads.fused_logits(hidden)  # (K, vocab)
+    torch.testing.assert_close(logits[:, allowed], proposer.heads(hidden)[:, allowed])
+    others = torch.ones(320, dtype=torch.bool)
+    others[allowed] = False
+    assert (logits[:, others] == torch.finfo(logits.dtype).min).all()
+    state = decode_state(base, random_prompts(1, seed=1)[0], SamplingConfig(temperature=1.0))
+    draft = proposer.propose(state)
+    assert set(draft.tokens) <= set(allowed.tolist())
+    assert draft.draft_probs[:, others].sum() == 0
 
 
 def test_save_load_round_trip_gives_identical_proposals(tmp_path):
@@ -82,10 +100,15 @@ def test_save_load_round_trip_gives_identical_proposals(tmp_path):
             if parameter.requires_grad:
                 parameter.normal_(0, 0.2)
     directory = tmp_path / "medusa"
-    save_artifact(peft_heads, directory, {"num_heads": 3, "hidden_size": 64, "vocab_size": 320, "tree": TREE})
-    loaded = load_artifact(directory, model.get_output_embeddings()).heads
+    ranking = torch.randperm(320)[:100]
+    meta = {"num_heads": 3, "hidden_size": 64, "vocab_size": 320, "tree": TREE}
+    save_artifact(peft_heads, directory, meta, ranking)
+    artifact = load_artifact(directory, model.get_output_embeddings())
+    assert torch.equal(artifact.token_ranking, ranking) and artifact.meta == meta
+    loaded = artifact.heads
     pipeline = Pipeline(model, tokenizer, model_config=config, artifacts_dir=tmp_path)
-    proposer = pipeline.with_components({"name": "medusa", "path": str(directory)}, "greedy").proposer
+    spec = {"name": "medusa", "path": str(directory), "draft_vocab_size": 0}
+    proposer = pipeline.with_components(spec, "greedy").proposer
     for prompt in random_prompts(4, seed=2):
         state = decode_state(pipeline, prompt, SamplingConfig())
         with torch.no_grad():

@@ -197,5 +197,5 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
 
 
 def test_unknown_drafter_lists_the_known_ones():
-    with pytest.raises(KeyError, match="drafters: medusa"):
+    with pytest.raises(KeyError, match="drafters: .*medusa"):
         drafter_module("nope")

@@ -96,6 +96,7 @@ def train(job: TrainJob) -> Path:
         {f"{split}/{key}": value for split, values in metrics.items() for key, value in values.items()}
     )
 
+    token_ranking = rank_tokens(training, vocab_size)
     meta = {
         "drafter": "medusa",
         "target": job.pipeline.context.target_key,
@@ -106,6 +107,7 @@ def train(job: TrainJob) -> Path:
         "tree": best_tree(metrics["heldout"]["rank_accuracy"], cfg.tree_nodes),
         "metrics": metrics["heldout"],
         "eval_metrics": {split: values for split, values in metrics.items() if split != "heldout"},
+        "draft_vocab_coverage": vocab_coverage(token_ranking, heldout),
         "train_metrics": last,
         "training": {
             "config": asdict(cfg),
@@ -114,7 +116,9 @@ def train(job: TrainJob) -> Path:
             "positions": len(rows["hidden"]),
         },
     }
-    save_artifact(peft_heads, job.output_dir, meta)
+    print(f"[train] share of held-out response tokens within the N most frequent training tokens: "
+          f"{meta['draft_vocab_coverage']}", file=sys.stderr)  # fmt: skip
+    save_artifact(peft_heads, job.output_dir, meta, token_ranking)
     checkpoint.unlink(missing_ok=True)
     return job.output_dir
 
@@ -189,6 +193,26 @@ def evaluate(heads: MedusaHeads, sequences: list[Sequence], cfg: Config) -> dict
         "rank_accuracy": [[round(float(a), 4) for a in head] for head in rank_accuracy],
         "chain_tau": round(1 + accepted / max(len(rows["hidden"]), 1), 4),
     }
+
+
+def rank_tokens(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """Token ids seen in the responses, most frequent first: (seen,) int64."""
+    tokens = torch.tensor([t for s in sequences for t in s.response], dtype=torch.long)
+    counts = torch.bincount(tokens, minlength=vocab_size)  # (vocab,)
+    order = torch.sort(counts, descending=True, stable=True).indices  # (vocab,)
+    return order[: int((counts > 0).sum())]
+
+
+def vocab_coverage(token_ranking: torch.Tensor, sequences: list[Sequence]) -> dict[str, float]:
+    """Share of the response tokens of ``sequences`` within the top-N of the ranking,
+    for a few drafting vocabulary sizes N (what restricting the heads to N tokens costs)."""
+    tokens = torch.tensor([t for s in sequences for t in s.response], dtype=torch.long)
+    if not len(tokens):
+        return {}
+    position = torch.full((int(max(tokens.max(), token_ranking.max())) + 1,), len(token_ranking))
+    position[token_ranking] = torch.arange(len(token_ranking))
+    ranks = position[tokens]  # (tokens,) rank of each token in the training ranking
+    return {str(n): round(float((ranks < n).float().mean()), 4) for n in (1024, 2048, 4096, 8192, 16384)}
 
 
 def format_metrics(metrics: dict) -> str:
