@@ -9,6 +9,17 @@ projection that starts from the target's own ``lm_head`` and is adapted with LoR
     residual_k = h + SiLU(W_k h + b_k)                           trained in full
     logits_k   = W_lm residual_k + scale * B_k A_k residual_k    W_lm frozen and shared
 
+W_lm is the target's lm_head restricted to a **draft vocabulary**: the tokens
+most frequent in the training responses (8192 by default, chosen at training;
+all tokens if the artifact has no such list). Drafting then reads a slice of
+the lm_head instead of all of it, on CPU the dominant cost, and training is
+as many times cheaper; tokens outside it get probability 0 in the draft
+distribution, which keeps sampling lossless. The K projections share the one
+weight, so drafting computes all heads' base logits with one matmul and adds
+each head's low-rank LoRA term (:class:`DraftProjection`);
+:meth:`MedusaHeads.forward`, used in training, runs the PEFT layers
+themselves. Both give the same logits.
+
 Drafts:
 
 * chain (``tree: null``): each head's top-1 token; when sampling, each head's
@@ -24,18 +35,10 @@ Drafts:
   per-rank accuracies. When sampling, each node's token is drawn independently
   from its head's distribution (siblings are i.i.d. draws).
 
-The K base projections share one weight, so the proposer computes all heads'
-base logits with one matmul (one read of W_lm, the dominant cost on a CPU)
-and adds each head's low-rank LoRA term; :meth:`MedusaHeads.forward`, used in
-training, runs the PEFT layers themselves. Both give the same logits. By
-default drafting is further restricted to the ``draft_vocab_size`` tokens most
-frequent in the training responses (a slice of W_lm; other tokens get
-probability 0 in the draft distribution, which keeps sampling lossless).
-
 Artifact layout (written by ``python -m train drafter=medusa``)::
 
     medusa.json         architecture, target key, training summary, default tree
-    heads.safetensors   the residual blocks, and the tokens ranked by training frequency
+    heads.safetensors   the residual blocks and the draft vocabulary (token ids)
     adapter/            PEFT LoRA adapter of the heads' lm projections
 """
 
@@ -58,7 +61,7 @@ from proposers.base import Proposer
 
 CONFIG_FILE = "medusa.json"
 BLOCKS_FILE = "heads.safetensors"
-RANKING_KEY = "token_ranking"
+VOCAB_KEY = "draft_vocab"
 ADAPTER_DIR = "adapter"
 LORA_TARGETS = r"lm_heads\.\d+"  # PEFT target_modules: every head's lm projection
 
@@ -77,85 +80,83 @@ class ResidualBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K residual blocks, each feeding an lm projection that shares ``lm_head``'s weight.
+    """K residual blocks, each feeding an lm projection over the draft vocabulary.
 
-    The projections are plain ``nn.Linear`` modules whose (frozen) weight is the
-    target's own tensor, not a copy; PEFT injects a LoRA adapter into each.
+    The K projections are plain ``nn.Linear`` modules sharing one frozen weight:
+    the target's lm_head itself (whole vocabulary, not copied) or its rows for
+    ``draft_vocab``. PEFT injects a LoRA adapter into each.
     """
 
-    def __init__(self, lm_head: nn.Linear, num_heads: int) -> None:
+    def __init__(self, lm_head: nn.Linear, num_heads: int, draft_vocab: torch.Tensor | None = None) -> None:
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"Medusa needs at least one head, got num_heads={num_heads}")
-        vocab_size, hidden_size = lm_head.weight.shape
         self.num_heads = num_heads
+        self.vocab_size, hidden_size = lm_head.weight.shape
+        # (n,) token id of each output row; None = all tokens
+        self.draft_vocab = None if draft_vocab is None else draft_vocab.to(lm_head.weight.device)
+        base = _vocab_projection(lm_head, draft_vocab)
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
-        self.lm_heads = nn.ModuleList(_shared_projection(lm_head) for _ in range(num_heads))
+        self.lm_heads = nn.ModuleList(_shared(base) for _ in range(num_heads))
         self.blocks.to(lm_head.weight)
+        self._drafting: DraftProjection | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.blocks[0].linear.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.blocks[0].linear.weight.device
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (..., hidden) -> logits (..., K, vocab), through the PEFT layers."""
+        """hidden (..., hidden) -> logits (..., K, n) over the draft vocabulary, through the PEFT layers."""
         return torch.stack([lm(block(hidden)) for block, lm in zip(self.blocks, self.lm_heads)], dim=-2)
 
-    def prepare_drafting(self, token_ids: torch.Tensor | None = None) -> None:
-        """Gather the (trained) projections for :meth:`fused_logits`; ``token_ids``
-        restricts drafting to those tokens (None = the whole vocabulary)."""
-        self._drafting = DraftProjection.gather(self, token_ids)
-
     def fused_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (hidden,) -> logits (K, vocab): the values of :meth:`forward`, from one
-        matmul against the shared base weight for all heads. Tokens outside the
-        drafting vocabulary get the dtype's lowest value (probability 0)."""
+        """hidden (hidden,) -> logits (K, vocab): :meth:`forward`'s values from one matmul
+        for all heads, scattered to token ids; tokens outside the draft vocabulary get
+        the dtype's lowest value. Gathers the projections on first use: call it after training."""
         if self._drafting is None:
-            self.prepare_drafting()
+            self._drafting = DraftProjection.gather(self)
         residual = torch.stack([block(hidden) for block in self.blocks])  # (K, hidden)
-        return self._drafting.logits(residual)  # type: ignore[union-attr]
-
-    _drafting: DraftProjection | None = None
+        return self._drafting.logits(residual)
 
 
 @dataclass
 class DraftProjection:
-    """All heads' lm projections for drafting: the base weight rows once, LoRA per head.
+    """All heads' lm projections for drafting: the base weight once, LoRA per head."""
 
-    Drafting reads the base weight once per round for all K heads (PEFT's layers
-    would read it K times), and only the rows of the drafting vocabulary.
-    """
-
-    token_ids: torch.Tensor | None  # (n,) drafting vocabulary, None = all tokens
-    weight: torch.Tensor  # (n, hidden) base weight rows
+    draft_vocab: torch.Tensor | None  # (n,) token ids of the rows; None = all tokens
+    weight: torch.Tensor  # (n, hidden)
     bias: torch.Tensor | None  # (n,)
     lora_a: torch.Tensor  # (K, rank, hidden)
     lora_b: torch.Tensor  # (K, n, rank), LoRA scale folded in
     vocab_size: int
 
     @classmethod
-    def gather(cls, heads: MedusaHeads, token_ids: torch.Tensor | None) -> DraftProjection:
+    def gather(cls, heads: MedusaHeads) -> DraftProjection:
         base = _base_layer(heads.lm_heads[0])
-        rows = slice(None) if token_ids is None else token_ids
         lora_a, lora_b = [], []
         for projection in heads.lm_heads:
             adapters = list(getattr(projection, "active_adapters", []))
             if len(adapters) > 1:
                 raise ValueError(f"Medusa heads support one LoRA adapter per head, found {adapters}")
             if adapters:
-                name = adapters[0]
-                lora_a.append(projection.lora_A[name].weight)  # (rank, hidden)
-                lora_b.append(projection.lora_B[name].weight[rows] * projection.scaling[name])  # (n, rank)
+                lora_a.append(projection.lora_A[adapters[0]].weight)  # (rank, hidden)
+                lora_b.append(
+                    projection.lora_B[adapters[0]].weight * projection.scaling[adapters[0]]
+                )  # (n, rank)
             else:  # no adapter: a zero low-rank term
                 lora_a.append(base.weight.new_zeros(1, base.in_features))
-                lora_b.append(base.weight[rows].new_zeros(base.weight[rows].shape[0], 1))
+                lora_b.append(base.weight.new_zeros(base.out_features, 1))
         return cls(
-            token_ids,
-            base.weight[rows].detach(),
-            None if base.bias is None else base.bias[rows].detach(),
+            heads.draft_vocab,
+            base.weight.detach(),
+            None if base.bias is None else base.bias.detach(),
             torch.stack(lora_a).detach(),
             torch.stack(lora_b).detach(),
-            base.out_features,
+            heads.vocab_size,
         )
 
     def logits(self, residual: torch.Tensor) -> torch.Tensor:
@@ -165,19 +166,31 @@ class DraftProjection:
             logits = logits + self.bias
         low_rank = torch.einsum("krh,kh->kr", self.lora_a, residual)  # (K, rank)
         logits = logits + torch.einsum("knr,kr->kn", self.lora_b, low_rank)  # (K, n)
-        if self.token_ids is None:
+        if self.draft_vocab is None:
             return logits
         full = logits.new_full((len(residual), self.vocab_size), torch.finfo(logits.dtype).min)  # (K, vocab)
-        full[:, self.token_ids] = logits
+        full[:, self.draft_vocab] = logits
         return full
 
 
-def _shared_projection(lm_head: nn.Linear) -> nn.Linear:
-    vocab_size, hidden_size = lm_head.weight.shape
-    projection = nn.Linear(hidden_size, vocab_size, bias=lm_head.bias is not None, device="meta")
-    projection.weight = lm_head.weight
+def _vocab_projection(lm_head: nn.Linear, draft_vocab: torch.Tensor | None) -> nn.Linear:
+    """A frozen Linear: ``lm_head`` itself, or a new one holding its rows for ``draft_vocab``."""
+    if draft_vocab is None:
+        return lm_head
+    rows = draft_vocab.to(lm_head.weight.device)
+    projection = nn.Linear(lm_head.in_features, len(rows), bias=lm_head.bias is not None, device="meta")
+    projection.weight = nn.Parameter(lm_head.weight.detach()[rows].clone(), requires_grad=False)
     if lm_head.bias is not None:
-        projection.bias = lm_head.bias
+        projection.bias = nn.Parameter(lm_head.bias.detach()[rows].clone(), requires_grad=False)
+    return projection
+
+
+def _shared(base: nn.Linear) -> nn.Linear:
+    """A Linear module of its own (PEFT wraps modules) over ``base``'s parameters."""
+    projection = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+    projection.weight = base.weight
+    if base.bias is not None:
+        projection.bias = base.bias
     projection.requires_grad_(False)
     return projection
 
@@ -192,32 +205,26 @@ def _base_layer(projection: nn.Module) -> nn.Linear:
 
 @dataclass
 class MedusaArtifact:
-    """A loaded artifact: heads (adapter applied), metadata (medusa.json), and the
-    target's tokens ranked by how often they occur in the training responses."""
+    """A loaded artifact: heads (adapter applied) and the metadata in medusa.json."""
 
     heads: MedusaHeads
     meta: dict
-    token_ranking: torch.Tensor | None  # (seen tokens,) most frequent first
 
 
-def save_artifact(
-    peft_heads: nn.Module, directory: Path, meta: dict, token_ranking: torch.Tensor | None = None
-) -> None:
+def save_artifact(peft_heads: nn.Module, directory: Path, meta: dict) -> None:
     """Write adapter/, heads.safetensors and medusa.json (``peft_heads`` is the PeftModel)."""
     directory.mkdir(parents=True, exist_ok=True)
     heads: MedusaHeads = peft_heads.get_base_model()
     peft_heads.save_pretrained(str(directory / ADAPTER_DIR))
-    tensors = {
-        f"blocks.{name}": tensor.detach().contiguous() for name, tensor in heads.blocks.state_dict().items()
-    }
-    if token_ranking is not None:
-        tensors[RANKING_KEY] = token_ranking.contiguous()
+    tensors = {f"blocks.{name}": t.detach().contiguous() for name, t in heads.blocks.state_dict().items()}
+    if heads.draft_vocab is not None:
+        tensors[VOCAB_KEY] = heads.draft_vocab.cpu().contiguous()
     save_file(tensors, str(directory / BLOCKS_FILE))
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
 
 
 def load_artifact(directory: Path, lm_head: nn.Linear) -> MedusaArtifact:
-    """Build heads over ``lm_head`` (shared, not copied) and load the blocks and adapter."""
+    """Build heads over ``lm_head`` and load the blocks, draft vocabulary and adapter."""
     from peft import PeftModel
 
     meta = json.loads((directory / CONFIG_FILE).read_text())
@@ -229,12 +236,12 @@ def load_artifact(directory: Path, lm_head: nn.Linear) -> MedusaArtifact:
             "retrain them for this target with `python -m train drafter=medusa`."
         )
     tensors = load_file(str(directory / BLOCKS_FILE))
-    token_ranking = tensors.pop(RANKING_KEY, None)
-    heads = MedusaHeads(lm_head, meta["num_heads"])
-    heads.blocks.load_state_dict({name.removeprefix("blocks."): tensor for name, tensor in tensors.items()})
+    draft_vocab = tensors.pop(VOCAB_KEY, None)
+    heads = MedusaHeads(lm_head, meta["num_heads"], draft_vocab)
+    heads.blocks.load_state_dict({name.removeprefix("blocks."): t for name, t in tensors.items()})
     PeftModel.from_pretrained(heads, str(directory / ADAPTER_DIR))  # injects LoRA into `heads`
     heads.to(lm_head.weight.dtype).eval().requires_grad_(False)
-    return MedusaArtifact(heads, meta, token_ranking)
+    return MedusaArtifact(heads, meta)
 
 
 # ---------------------------------------------------------------- trees
@@ -300,9 +307,6 @@ class MedusaProposer(Proposer):
         # null = chain of top-1 tokens; a list of Medusa choice paths, e.g.
         # [[0], [1], [0, 0]]; or "auto" = the tree stored with the artifact.
         tree: Any = None
-        # Heads propose only the N tokens most frequent in their training responses:
-        # drafting then reads N rows of the lm_head weight, not all of it. 0 = all tokens.
-        draft_vocab_size: int = 8192
 
     sampled = True
     needs_hidden = True
@@ -318,15 +322,6 @@ class MedusaProposer(Proposer):
         artifact = load_artifact(directory, context.target.get_output_embeddings())
         self.heads = artifact.heads
         self.meta = artifact.meta
-        if config.draft_vocab_size < 0:
-            raise ValueError(
-                f"proposer.draft_vocab_size must be >= 0 (0 = all tokens), got {config.draft_vocab_size}"
-            )
-        draft_vocab = None
-        if config.draft_vocab_size and artifact.token_ranking is not None:
-            draft_vocab = artifact.token_ranking[: config.draft_vocab_size].sort().values
-            draft_vocab = draft_vocab.to(context.target.get_output_embeddings().weight.device)
-        self.heads.prepare_drafting(draft_vocab)
         self.num_heads = config.num_heads or self.heads.num_heads
         if not 1 <= self.num_heads <= self.heads.num_heads:
             raise ValueError(
@@ -359,7 +354,7 @@ class MedusaProposer(Proposer):
         return {
             "num_heads": self.num_heads,
             "tree_nodes": None if self.tree is None else len(self.tree[0]),
-            "draft_vocab_size": self.config.draft_vocab_size,
+            "draft_vocab_size": None if self.heads.draft_vocab is None else len(self.heads.draft_vocab),
             "trainable_parameters": self.meta.get("trainable_parameters"),
             "heads_top1_heldout": self.meta.get("metrics", {}).get("top1"),
         }

@@ -67,48 +67,42 @@ def test_best_tree_takes_the_likeliest_paths():
     assert len(best_tree(rank_accuracy, 100)) == 3 + 3 * 3
 
 
-def test_fused_logits_equal_the_peft_forward(base):
-    heads = base.with_components({"name": "medusa", "draft_vocab_size": 0}, "greedy").proposer.heads
+def test_fused_logits_equal_the_peft_forward_over_the_draft_vocabulary(base):
+    heads = base.with_components("medusa", "greedy").proposer.heads
+    assert heads.draft_vocab is not None and 40 < len(heads.draft_vocab) < 320
     hidden = torch.randn(64, dtype=torch.float64)
-    torch.testing.assert_close(heads.fused_logits(hidden), heads(hidden))
-
-
-def test_drafting_vocabulary_keeps_the_most_frequent_training_tokens(base, artifacts):
-    proposer = base.with_components({"name": "medusa", "draft_vocab_size": 40}, "greedy").proposer
-    ranking = load_artifact(
-        artifacts / "tiny-random-v320-h64-l2-s0" / "medusa", base.model.lm_head
-    ).token_ranking
-    allowed = ranking[:40]
-    hidden = torch.randn(64, dtype=torch.float64)
-    logits = proposer.heads.fused_logits(hidden)  # (K, vocab)
-    torch.testing.assert_close(logits[:, allowed], proposer.heads(hidden)[:, allowed])
-    others = torch.ones(320, dtype=torch.bool)
-    others[allowed] = False
-    assert (logits[:, others] == torch.finfo(logits.dtype).min).all()
-    state = decode_state(base, random_prompts(1, seed=1)[0], SamplingConfig(temperature=1.0))
-    draft = proposer.propose(state)
-    assert set(draft.tokens) <= set(allowed.tolist())
-    assert draft.draft_probs[:, others].sum() == 0
+    logits = heads.fused_logits(hidden)  # (K, vocab)
+    torch.testing.assert_close(logits[:, heads.draft_vocab], heads(hidden))
+    outside = torch.ones(320, dtype=torch.bool)
+    outside[heads.draft_vocab] = False
+    assert (logits[:, outside] == torch.finfo(logits.dtype).min).all()
+    sampling = SamplingConfig(temperature=1.0)
+    draft = base.with_components("medusa", "rejection", sampling).proposer.propose(
+        decode_state(base, random_prompts(1, seed=1)[0], sampling)
+    )
+    assert set(draft.tokens) <= set(heads.draft_vocab.tolist())
+    assert draft.draft_probs[:, outside].sum() == 0
 
 
 def test_save_load_round_trip_gives_identical_proposals(tmp_path):
     config = ModelConfig(name="tiny-random", dtype="float32")
     model, tokenizer = load_model(config)
-    heads, peft_heads = build_heads(model.get_output_embeddings(), Config(num_heads=3, lora_rank=4))
+    draft_vocab = torch.randperm(320)[:100].sort().values
+    heads, peft_heads = build_heads(
+        model.get_output_embeddings(), Config(num_heads=3, lora_rank=4), draft_vocab
+    )
     with torch.no_grad():  # trained-looking values everywhere (LoRA's B starts at zero)
         for parameter in heads.parameters():
             if parameter.requires_grad:
                 parameter.normal_(0, 0.2)
     directory = tmp_path / "medusa"
-    ranking = torch.randperm(320)[:100]
     meta = {"num_heads": 3, "hidden_size": 64, "vocab_size": 320, "tree": TREE}
-    save_artifact(peft_heads, directory, meta, ranking)
+    save_artifact(peft_heads, directory, meta)
     artifact = load_artifact(directory, model.get_output_embeddings())
-    assert torch.equal(artifact.token_ranking, ranking) and artifact.meta == meta
+    assert torch.equal(artifact.heads.draft_vocab, draft_vocab) and artifact.meta == meta
     loaded = artifact.heads
     pipeline = Pipeline(model, tokenizer, model_config=config, artifacts_dir=tmp_path)
-    spec = {"name": "medusa", "path": str(directory), "draft_vocab_size": 0}
-    proposer = pipeline.with_components(spec, "greedy").proposer
+    proposer = pipeline.with_components({"name": "medusa", "path": str(directory)}, "greedy").proposer
     for prompt in random_prompts(4, seed=2):
         state = decode_state(pipeline, prompt, SamplingConfig())
         with torch.no_grad():

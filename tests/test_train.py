@@ -22,7 +22,7 @@ from train import prompts as builtin
 from train.data import DataConfig, read_prompt_file, self_distilled, split_heldout
 from train.job import drafter_module, run
 from train.loop import FitConfig, RunLogger, fit
-from train.medusa import IGNORE, Config, build_heads, evaluate, training_rows
+from train.medusa import IGNORE, Config, build_heads, evaluate, training_rows, vocab_index
 
 TINY_RECIPE = [
     "model=tiny-random",
@@ -179,13 +179,14 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
     _, heldout = split_heldout(sequences, data_cfg.heldout)
     drafter_cfg = Config(num_heads=4, lora_rank=4)
     trained = load_artifact(artifact, model.get_output_embeddings()).heads
-    fresh, _ = build_heads(model.get_output_embeddings(), drafter_cfg)
+    fresh, _ = build_heads(model.get_output_embeddings(), drafter_cfg, trained.draft_vocab)
     rows = training_rows(heldout, 4)
+    targets = vocab_index(rows["labels"][:, 0], trained.draft_vocab, 320)
 
     def head0_loss(heads):
         with torch.no_grad():
             logits = heads(rows["hidden"].to(heads.dtype))[:, 0]
-        return float(torch.nn.functional.cross_entropy(logits, rows["labels"][:, 0], ignore_index=IGNORE))
+        return float(torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE))
 
     assert head0_loss(trained) < 0.5 * head0_loss(fresh)
     chance = 1 / 320

@@ -2,9 +2,14 @@
 
 The backbone stays frozen and untouched. Each head's residual block is trained
 in full; each head's language-model projection starts from the target's own
-``lm_head`` weight (shared, never copied or changed) and is adapted with a PEFT
-LoRA adapter. The target's final hidden states come cached with the data, so
-no epoch reruns the target.
+``lm_head`` weight (its rows for the draft vocabulary, frozen) and is adapted
+with a PEFT LoRA adapter. The target's final hidden states come cached with the
+data, so no epoch reruns the target.
+
+Draft vocabulary: the ``draft_vocab_size`` tokens most frequent in the training
+responses (0 = all tokens). Heads score only those, which makes both training
+and drafting cheaper by vocab / draft_vocab_size on the projection; a label
+outside it is skipped by the loss and counted as a miss by every accuracy.
 
 Training rows: for a response r (n tokens) with hidden states H (row j predicted
 r[j]), row j trains head k to predict r[j + 1 + k], the token k + 2 positions
@@ -43,6 +48,7 @@ class Config(FitConfig):
     """``drafter=medusa`` options: architecture, adapter, loss, tree, and the FitConfig fields."""
 
     num_heads: int = 4
+    draft_vocab_size: int = 8192  # most frequent training tokens the heads score; 0 = all
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
@@ -54,27 +60,29 @@ class Config(FitConfig):
 
 def train(job: TrainJob) -> Path:
     cfg: Config = job.drafter_config(Config)
-    sequences = job.sequences()
-    training, heldout = split_heldout(sequences, job.data_config.heldout)
-    rows = training_rows(training, cfg.num_heads)
-    print(f"[train] medusa: {len(rows['hidden'])} training positions from {len(training)} sequences, "
-          f"{len(heldout)} held out", file=sys.stderr)  # fmt: skip
-
+    training, heldout = split_heldout(job.sequences(), job.data_config.heldout)
     lm_head = job.pipeline.model.get_output_embeddings()
     vocab_size, hidden_size = lm_head.weight.shape
-    heads, peft_heads = build_heads(lm_head, cfg)
-    weights = torch.tensor([cfg.head_decay**k for k in range(cfg.num_heads)])  # (K,)
+    draft_vocab = draft_vocabulary(training, vocab_size, cfg.draft_vocab_size)
+    heads, peft_heads = build_heads(lm_head, cfg, draft_vocab)
+    rows = training_rows(training, cfg.num_heads)
+    rows["targets"] = vocab_index(rows["labels"], draft_vocab, vocab_size)
+    print(f"[train] medusa: {len(rows['hidden'])} training positions from {len(training)} sequences "
+          f"({len(heldout)} held out); draft vocabulary {len(draft_vocab) if draft_vocab is not None else 'all'} "
+          f"tokens, covering {coverage(draft_vocab, heldout):.1%} of held-out response tokens",
+          file=sys.stderr)  # fmt: skip
+    weights = torch.tensor([cfg.head_decay**k for k in range(cfg.num_heads)], device=heads.device)  # (K,)
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = peft_heads(batch["hidden"].to(heads.dtype))  # (B, K, vocab)
-        labels = batch["labels"]  # (B, K)
+        logits = peft_heads(batch["hidden"].to(heads.device, heads.dtype))  # (B, K, n)
+        targets = batch["targets"].to(heads.device)  # (B, K) row in the draft vocabulary, or IGNORE
         losses = nn.functional.cross_entropy(
-            logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none"
+            logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none"
         )  # (B, K)
-        valid = labels != IGNORE  # (B, K)
-        per_head = (losses * valid).sum(0) / valid.sum(0).clamp(min=1)  # (K,)
-        correct = (logits.argmax(-1) == labels) & valid  # (B, K)
-        accuracy = correct.sum(0) / valid.sum(0).clamp(min=1)  # (K,)
+        in_vocab = targets != IGNORE  # (B, K)
+        per_head = (losses * in_vocab).sum(0) / in_vocab.sum(0).clamp(min=1)  # (K,)
+        correct = (logits.argmax(-1) == targets) & in_vocab  # (B, K)
+        accuracy = correct.sum(0).cpu() / (batch["labels"] != IGNORE).sum(0).clamp(min=1)  # (K,)
         metrics = {f"top1/head{k}": float(accuracy[k]) for k in range(cfg.num_heads)}
         return (per_head * weights).sum(), metrics
 
@@ -96,18 +104,17 @@ def train(job: TrainJob) -> Path:
         {f"{split}/{key}": value for split, values in metrics.items() for key, value in values.items()}
     )
 
-    token_ranking = rank_tokens(training, vocab_size)
     meta = {
         "drafter": "medusa",
         "target": job.pipeline.context.target_key,
         "num_heads": cfg.num_heads,
         "hidden_size": hidden_size,
         "vocab_size": vocab_size,
+        "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
         "trainable_parameters": sum(p.numel() for p in heads.parameters() if p.requires_grad),
         "tree": best_tree(metrics["heldout"]["rank_accuracy"], cfg.tree_nodes),
         "metrics": metrics["heldout"],
         "eval_metrics": {split: values for split, values in metrics.items() if split != "heldout"},
-        "draft_vocab_coverage": vocab_coverage(token_ranking, heldout),
         "train_metrics": last,
         "training": {
             "config": asdict(cfg),
@@ -116,22 +123,22 @@ def train(job: TrainJob) -> Path:
             "positions": len(rows["hidden"]),
         },
     }
-    print(f"[train] share of held-out response tokens within the N most frequent training tokens: "
-          f"{meta['draft_vocab_coverage']}", file=sys.stderr)  # fmt: skip
-    save_artifact(peft_heads, job.output_dir, meta, token_ranking)
+    save_artifact(peft_heads, job.output_dir, meta)
     checkpoint.unlink(missing_ok=True)
     return job.output_dir
 
 
-def build_heads(lm_head: nn.Linear, cfg: Config) -> tuple[MedusaHeads, nn.Module]:
-    """Fresh heads in float32 over ``lm_head`` (shared when it is float32) with LoRA
-    on their projections; returns (heads, the PeftModel wrapping them)."""
+def build_heads(
+    lm_head: nn.Linear, cfg: Config, draft_vocab: torch.Tensor | None = None
+) -> tuple[MedusaHeads, nn.Module]:
+    """Fresh float32 heads over ``lm_head`` with LoRA on their projections;
+    returns (heads, the PeftModel wrapping them)."""
     from peft import LoraConfig, get_peft_model
 
     if lm_head.weight.dtype != torch.float32:  # train in float32; the target keeps its weights
         lm_head = _frozen_float32_copy(lm_head)
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are random
-    heads = MedusaHeads(lm_head, cfg.num_heads)
+    heads = MedusaHeads(lm_head, cfg.num_heads, draft_vocab)
     lora = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
@@ -150,9 +157,39 @@ def _frozen_float32_copy(lm_head: nn.Linear) -> nn.Linear:
     return copy.to(lm_head.weight.device).requires_grad_(False)
 
 
+def draft_vocabulary(sequences: list[Sequence], vocab_size: int, size: int) -> torch.Tensor | None:
+    """The ``size`` tokens most frequent in the responses (seen ones only), ascending
+    ids; None when ``size`` is 0 (all tokens)."""
+    if size < 0:
+        raise ValueError(f"drafter.draft_vocab_size must be >= 0 (0 = all tokens), got {size}")
+    if size == 0:
+        return None
+    tokens = torch.tensor([t for s in sequences for t in s.response], dtype=torch.long)
+    counts = torch.bincount(tokens, minlength=vocab_size)  # (vocab,)
+    ranking = torch.sort(counts, descending=True, stable=True).indices  # (vocab,)
+    return ranking[: min(size, int((counts > 0).sum()))].sort().values
+
+
+def vocab_index(labels: torch.Tensor, draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Token ids -> rows of the draft vocabulary; IGNORE for tokens outside it (and IGNORE)."""
+    if draft_vocab is None:
+        return labels
+    index = torch.full((vocab_size + 1,), IGNORE, dtype=torch.long)  # last slot: IGNORE itself
+    index[draft_vocab.cpu()] = torch.arange(len(draft_vocab))
+    return index[torch.where(labels == IGNORE, vocab_size, labels)]
+
+
+def coverage(draft_vocab: torch.Tensor | None, sequences: list[Sequence]) -> float:
+    """Share of the response tokens of ``sequences`` inside the draft vocabulary."""
+    tokens = torch.tensor([t for s in sequences for t in s.response], dtype=torch.long)
+    if draft_vocab is None or not len(tokens):
+        return 1.0
+    return float(torch.isin(tokens, draft_vocab.cpu()).float().mean())
+
+
 def training_rows(sequences: list[Sequence], num_heads: int) -> dict[str, torch.Tensor]:
-    """hidden (N, hidden) float16 and labels (N, K): one row per response position
-    that has at least head 0's label."""
+    """hidden (N, hidden) float16 and labels (N, K) token ids: one row per response
+    position that has at least head 0's label."""
     hidden_parts, label_parts = [], []
     for sequence in sequences:
         n = len(sequence.response)
@@ -171,54 +208,42 @@ def training_rows(sequences: list[Sequence], num_heads: int) -> dict[str, torch.
 @torch.no_grad()
 def evaluate(heads: MedusaHeads, sequences: list[Sequence], cfg: Config) -> dict:
     """Per-head accuracies on ``sequences``: top1, top5, rank_accuracy[k][r] (head k's
-    rank-r token is right), and chain_tau (tokens per pass of a greedy chain)."""
+    rank-r token is right), chain_tau (tokens per pass of a greedy chain), and the
+    draft vocabulary's coverage of the response tokens."""
     rows = training_rows(sequences, cfg.num_heads)
     rank_hits = torch.zeros(cfg.num_heads, cfg.top_ranks)  # (K, ranks)
-    valid_counts = torch.zeros(cfg.num_heads)  # (K,)
+    label_counts = torch.zeros(cfg.num_heads)  # (K,)
     accepted = 0.0
     for start in range(0, len(rows["hidden"]), cfg.eval_batch_size):
-        hidden = rows["hidden"][start : start + cfg.eval_batch_size].to(heads.dtype)  # (B, hidden)
+        hidden = rows["hidden"][start : start + cfg.eval_batch_size].to(
+            heads.device, heads.dtype
+        )  # (B, hidden)
         labels = rows["labels"][start : start + cfg.eval_batch_size]  # (B, K)
-        ranked = heads(hidden).topk(cfg.top_ranks, dim=-1).indices  # (B, K, ranks)
+        ranked = (
+            heads(hidden).topk(cfg.top_ranks, dim=-1).indices.cpu()
+        )  # (B, K, ranks) rows of the draft vocab
+        if heads.draft_vocab is not None:
+            ranked = heads.draft_vocab.cpu()[ranked]  # token ids
         hits = ranked == labels[..., None]  # (B, K, ranks); IGNORE never matches
         rank_hits += hits.sum(0)
-        valid_counts += (labels != IGNORE).sum(0)
+        label_counts += (labels != IGNORE).sum(0)
         top1 = hits[..., 0].long()  # (B, K)
         accepted += float(top1.cumprod(dim=1).sum())  # leading heads that are right, summed over rows
-    rank_accuracy = rank_hits / valid_counts.clamp(min=1)[:, None]  # (K, ranks)
+    rank_accuracy = rank_hits / label_counts.clamp(min=1)[:, None]  # (K, ranks)
     return {
         "positions": len(rows["hidden"]),
         "top1": [round(float(a), 4) for a in rank_accuracy[:, 0]],
         "top5": [round(float(a), 4) for a in rank_accuracy[:, :5].sum(1)],
         "rank_accuracy": [[round(float(a), 4) for a in head] for head in rank_accuracy],
         "chain_tau": round(1 + accepted / max(len(rows["hidden"]), 1), 4),
+        "draft_vocab_coverage": round(coverage(heads.draft_vocab, sequences), 4),
     }
-
-
-def rank_tokens(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
-    """Token ids seen in the responses, most frequent first: (seen,) int64."""
-    tokens = torch.tensor([t for s in sequences for t in s.response], dtype=torch.long)
-    counts = torch.bincount(tokens, minlength=vocab_size)  # (vocab,)
-    order = torch.sort(counts, descending=True, stable=True).indices  # (vocab,)
-    return order[: int((counts > 0).sum())]
-
-
-def vocab_coverage(token_ranking: torch.Tensor, sequences: list[Sequence]) -> dict[str, float]:
-    """Share of the response tokens of ``sequences`` within the top-N of the ranking,
-    for a few drafting vocabulary sizes N (what restricting the heads to N tokens costs)."""
-    tokens = torch.tensor([t for s in sequences for t in s.response], dtype=torch.long)
-    if not len(tokens):
-        return {}
-    position = torch.full((int(max(tokens.max(), token_ranking.max())) + 1,), len(token_ranking))
-    position[token_ranking] = torch.arange(len(token_ranking))
-    ranks = position[tokens]  # (tokens,) rank of each token in the training ranking
-    return {str(n): round(float((ranks < n).float().mean()), 4) for n in (1024, 2048, 4096, 8192, 16384)}
 
 
 def format_metrics(metrics: dict) -> str:
     return (
-        f"{metrics['positions']} positions, top-1 per head {metrics['top1']}, "
-        f"top-5 {metrics['top5']}, chain tau {metrics['chain_tau']}"
+        f"{metrics['positions']} positions, top-1 per head {metrics['top1']}, top-5 {metrics['top5']}, "
+        f"chain tau {metrics['chain_tau']}, draft vocabulary coverage {metrics['draft_vocab_coverage']}"
     )
 
 
