@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from decoders.session import ModelSession
@@ -39,6 +40,9 @@ class LayeredDecoder:
     modules: optional replacement for the decoder's layer list (same length),
         e.g. with adapted copies of some layers; those copies must keep their
         ``layer_idx`` so they write the same cache slots.
+
+    Like ``ModelSession.forward`` it is meant for inference: call it under
+    ``torch.inference_mode()`` (the early-exit proposer does).
     """
 
     def __init__(self, session: ModelSession, modules: Sequence[torch.nn.Module] | None = None) -> None:
@@ -77,7 +81,6 @@ class LayeredDecoder:
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.session.device)  # (q,)
         return self.decoder.embed_tokens(input_ids)
 
-    @torch.inference_mode()
     def run(self, hidden: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """Run layers ``[first, last)`` over q new positions as a causal chain.
 
@@ -87,26 +90,10 @@ class LayeredDecoder:
         layers and returns the (q, hidden) residual stream leaving layer ``last - 1``.
         """
         start = self.cached_length(first)
-        states = hidden.unsqueeze(0)  # (1, q, hidden)
-        position_ids = torch.arange(start, start + states.shape[1], device=states.device).unsqueeze(0)  # (1, q)
-        mask = create_causal_mask(
-            config=self.decoder.config,
-            inputs_embeds=states,
-            attention_mask=None,
-            cache=self.session.cache,
-            position_ids=position_ids,
-            layer_idx=first,
+        position_ids = torch.arange(start, start + hidden.shape[0], device=hidden.device).unsqueeze(0)  # (1, q)
+        states = run_layers(
+            self.decoder, self.layers[first:last], hidden.unsqueeze(0), position_ids, self.session.cache, first
         )
-        position_embeddings = self.decoder.rotary_emb(states, position_ids=position_ids)
-        for layer in self.layers[first:last]:
-            states = layer(
-                states,
-                attention_mask=mask,
-                position_ids=position_ids,
-                cache=self.session.cache,
-                use_cache=True,
-                position_embeddings=position_embeddings,
-            )
         return states[0]
 
     def crop(self, first: int, last: int, length: int) -> None:
@@ -116,7 +103,6 @@ class LayeredDecoder:
                 layer.keys = layer.keys[:, :, :length]
                 layer.values = layer.values[:, :, :length]
 
-    @torch.inference_mode()
     def finish(self, tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """Record a full-depth pass over ``tokens`` in the session and return its logits.
 
@@ -130,6 +116,42 @@ class LayeredDecoder:
         session.hidden = self.decoder.norm(hidden)  # (q, hidden)
         session.cached.extend(tokens)
         return session.lm_head(session.hidden)
+
+
+def run_layers(
+    decoder: torch.nn.Module,
+    layers: Sequence[torch.nn.Module],
+    states: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache | None = None,
+    first: int = 0,
+) -> torch.Tensor:
+    """Run ``layers`` (consecutive, starting at layer ``first``) causally over ``states``.
+
+    states: (batch, q, hidden), the residual stream entering layer ``first``;
+    position_ids: (1 or batch, q). With a ``cache`` the q positions follow what
+    layer ``first`` holds and their KV entries are appended; without one they
+    are a whole (right-padded) sequence, as in training. Returns (batch, q, hidden).
+    """
+    mask = create_causal_mask(
+        config=decoder.config,
+        inputs_embeds=states,
+        attention_mask=None,
+        cache=cache,
+        position_ids=position_ids,
+        layer_idx=first,
+    )
+    position_embeddings = decoder.rotary_emb(states, position_ids=position_ids)
+    for layer in layers:
+        states = layer(
+            states,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )
+    return states
 
 
 @torch.inference_mode()
