@@ -27,12 +27,26 @@ Syncing after a round works the same for chains and trees: the draft's cache
 holds the committed prefix followed by the drafted entries it fed (a chain or a
 tree); the entries along the accepted path are kept (``ModelSession.keep``),
 the rest dropped.
+
+Reduced draft vocabulary (``vocab_size=N``, FR-Spec, Zhao et al. 2025): the
+draft's cost per token is dominated by its LM head over the whole vocabulary
+(49,152 rows for SmolLM2). With ``vocab_size`` set, the head's weight rows are
+sliced once to the N tokens the target itself outputs most often (ranked at
+training time from the self-distillation data, ``draft_vocab.json`` in the
+draft's directory), so the draft scores only those. Drafted tokens are mapped
+back to full-vocabulary ids and draft_probs rows are full-vocabulary rows with
+q = 0 outside the N tokens. Verification stays lossless: greedy drafts are the
+argmax among the N tokens (any deterministic draft is), and rejection sampling
+is exact for any q, zeros included (the residual max(0, p - q) keeps the
+target's mass outside the N tokens).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +59,8 @@ from decoders.sampling import check_finite, processed_probs, sample
 from decoders.session import ModelSession
 from decoders.tree_budget import AcceptanceProfile, BudgetTuner
 from proposers.base import Proposer
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 class IncompatibleTokenizerError(ValueError):
@@ -65,6 +81,9 @@ class DraftModelProposer(Proposer):
         # nodes kept after reranking: an int, or "auto" (chosen from the target's cost
         # curve and the measured acceptance, re-chosen as rounds accumulate)
         tree_budget: Any = 16
+        # null = the full vocabulary; N = draft only over the N tokens the target outputs
+        # most often (FR-Spec), from draft_vocab.json next to the distilled draft
+        vocab_size: int | None = None
 
     sampled = True
 
@@ -80,35 +99,47 @@ class DraftModelProposer(Proposer):
                 f"proposer.tree_budget must be a positive integer or auto, got {config.tree_budget!r}"
             )
         self.sampled = not config.tree  # tree drafts are deterministic (see the module docstring)
-        self.model = self._load_draft()
+        draft_dir = self._draft_dir()
+        self.model = self._load_draft(draft_dir)
         self.session = ModelSession(self.model)
+        self.vocabulary: DraftVocabulary | None = None
+        if config.vocab_size is not None:
+            self.vocabulary = DraftVocabulary.load(draft_dir, config.vocab_size)
+            self.session.lm_head = self.vocabulary.head(self.session.lm_head)
         self._draft_start = 0  # committed tokens when the last draft was made
         self._fed_parents: list[int] = []  # tree structure of the drafted entries cached after them
         self._last_tree: Draft | None = None
         self.profile = AcceptanceProfile()
         self.tuner = BudgetTuner(self.profile, self._cost_curve, self.max_tree_nodes) if auto else None
 
-    def _load_draft(self) -> torch.nn.Module:
+    def _draft_dir(self) -> Path | None:
+        """The draft's directory or hub id: ``name_or_path``, else the distilled draft under
+        artifacts/; None for tiny-random without one (its seeded tiny draft is built instead)."""
         context = self.context
-        target = context.target
-        path = self.config.name_or_path
-        if path is None and context.model_config.name == "tiny-random":
+        if self.config.name_or_path is not None:
+            return Path(self.config.name_or_path)
+        artifact = context.artifact_path("draft_model")
+        if (artifact / "config.json").exists():
+            return artifact
+        if context.model_config.name == "tiny-random":
+            return None
+        raise FileNotFoundError(
+            f"no draft model for target {context.target_key!r} at {artifact}. Train one "
+            f"with `python -m train drafter=draft_model model={context.model_config.name}` "
+            "or point proposer.name_or_path at a Hugging Face causal LM with the same tokenizer."
+        )
+
+    def _load_draft(self, draft_dir: Path | None) -> torch.nn.Module:
+        target = self.context.target
+        if draft_dir is None:
             return tiny_draft_model(target)
-        if path is None:
-            artifact = context.artifact_path("draft_model")
-            if not (artifact / "config.json").exists():
-                raise FileNotFoundError(
-                    f"no draft model for target {context.target_key!r} at {artifact}. Train one "
-                    f"with `python -m train drafter=draft_model model={context.model_config.name}` "
-                    "or point proposer.name_or_path at a Hugging Face causal LM with the same tokenizer."
-                )
-            path = str(artifact)
+        path = str(draft_dir)
         dtype = self.config.dtype
         if dtype == "auto":
             dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
         device = str(next(target.parameters()).device)
         model, tokenizer = load_model(ModelConfig(name="hf", name_or_path=path, dtype=dtype, device=device))
-        check_same_tokenizer(context.tokenizer, tokenizer, path)
+        check_same_tokenizer(self.context.tokenizer, tokenizer, path)
         return model
 
     @property
@@ -165,11 +196,11 @@ class DraftModelProposer(Proposer):
         for i in range(self.config.k):
             check_finite(logits, "draft model's forward pass")
             if sampling.greedy:
-                token = int(logits.argmax())
+                token = self._full_id(int(logits.argmax()))
             else:
-                probs = processed_probs(logits, sampling)  # (vocab,) float32
-                token = int(sample(probs, state.generator))
-                draft_rows.append(probs)
+                probs = processed_probs(logits, sampling)  # (draft vocab,) float32
+                token = self._full_id(int(sample(probs, state.generator)))
+                draft_rows.append(probs if self.vocabulary is None else self.vocabulary.full_row(probs))
             draft_tokens.append(token)
             if i + 1 < self.config.k:
                 self._fed_parents.append(i - 1)
@@ -192,7 +223,8 @@ class DraftModelProposer(Proposer):
             top = torch.log_softmax(frontier_logits.float(), -1).topk(width, dim=-1)  # (f, width)
             base = torch.tensor([scores[node] if node >= 0 else 0.0 for node in frontier])  # (f,)
             child_scores = (top.values + base[:, None]).tolist()
-            child_tokens = top.indices.tolist()
+            child_tokens = top.indices if self.vocabulary is None else self.vocabulary.token_ids[top.indices]
+            child_tokens = child_tokens.tolist()
             level_nodes = []
             for row, node in enumerate(frontier):
                 for rank in range(width):
@@ -214,8 +246,14 @@ class DraftModelProposer(Proposer):
         ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], candidates.depths[i], i))
         return candidates.select(sorted(ranked[: self.tree_budget]))
 
+    def _full_id(self, index: int) -> int:
+        """The full-vocabulary id of the draft head's output ``index``."""
+        return index if self.vocabulary is None else int(self.vocabulary.token_ids[index])
+
     def describe(self) -> dict:
         facts: dict = {"draft_parameters": sum(p.numel() for p in self.model.parameters())}
+        if self.vocabulary is not None:
+            facts["draft_vocab_size"] = len(self.vocabulary.token_ids)
         if self.config.tree:
             facts["tree_budget"] = self.tree_budget
             facts["tree_candidates"] = self.max_tree_nodes
@@ -251,3 +289,69 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> 
             f"(e.g. {differing[:3]}). Speculative decoding compares token ids, so the draft must "
             "share the target's tokenizer; choose a draft from the same model family."
         )
+
+
+class DraftVocabulary:
+    """The draft's reduced output vocabulary: full-vocabulary ids of the tokens it scores.
+
+    Stored as ``draft_vocab.json`` with a draft: ``token_ids`` ranked most frequent
+    first in the target's own outputs, and their ``counts``; the first N are used.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, full_size: int) -> None:
+        self.token_ids = token_ids  # (N,) long, full-vocabulary ids
+        self.full_size = full_size  # size of the full vocabulary
+
+    @classmethod
+    def load(cls, draft_dir: Path | None, size: int) -> DraftVocabulary:
+        """The ``size`` most frequent tokens listed in ``draft_dir``'s draft_vocab.json."""
+        path = (draft_dir or Path("<the seeded tiny draft has no directory>")) / DRAFT_VOCAB_FILE
+        if not path.exists():
+            raise FileNotFoundError(
+                f"proposer.vocab_size needs {path} (the draft's ranked vocabulary); "
+                "`python -m train drafter=draft_model` writes it next to the distilled draft, "
+                "or leave proposer.vocab_size=null to draft over the full vocabulary."
+            )
+        ranked = json.loads(path.read_text())
+        if not 1 <= size <= len(ranked["token_ids"]):
+            raise ValueError(
+                f"proposer.vocab_size={size}, but {path} ranks {len(ranked['token_ids'])} tokens "
+                "(those the target output while generating the training data); choose 1 to that many."
+            )
+        return cls(torch.tensor(ranked["token_ids"][:size], dtype=torch.long), ranked["full_vocab_size"])
+
+    def head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
+        """A head scoring only these tokens: ``lm_head``'s rows for them, sliced once."""
+        weight = lm_head.weight
+        reduced = torch.nn.Linear(
+            lm_head.in_features,
+            len(self.token_ids),
+            bias=lm_head.bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        rows = self.token_ids.to(weight.device)
+        with torch.no_grad():
+            reduced.weight.copy_(weight[rows])  # (N, hidden)
+            if lm_head.bias is not None:
+                reduced.bias.copy_(lm_head.bias[rows])
+        return reduced.requires_grad_(False)
+
+    def full_row(self, probs: torch.Tensor) -> torch.Tensor:
+        """(..., N) probabilities over these tokens as (..., full vocab) rows, 0 elsewhere."""
+        full = probs.new_zeros(*probs.shape[:-1], self.full_size)
+        return full.index_copy_(-1, self.token_ids.to(probs.device), probs)
+
+
+def save_draft_vocab(directory: Path, token_counts: torch.Tensor) -> None:
+    """Rank the tokens with a positive count, most frequent first (ties: lower id first),
+    and write them to ``directory``/draft_vocab.json for :meth:`DraftVocabulary.load`."""
+    counts = token_counts.long()  # (full vocab,)
+    order = sorted(counts.nonzero().flatten().tolist(), key=lambda token: (-int(counts[token]), token))
+    ranked = {
+        "full_vocab_size": len(counts),
+        "counted_tokens": int(counts.sum()),
+        "token_ids": order,
+        "counts": [int(counts[token]) for token in order],
+    }
+    (directory / DRAFT_VOCAB_FILE).write_text(json.dumps(ranked))

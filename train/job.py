@@ -26,7 +26,11 @@ from train.data import DataConfig, Sequence, eval_sequences, self_distilled
 from train.loop import RunLogger
 
 #: drafter name -> module defining ``Config`` and ``train(job)``.
-DRAFTERS: dict[str, str] = {"medusa": "train.medusa", "early_exit": "train.early_exit"}
+DRAFTERS: dict[str, str] = {
+    "medusa": "train.medusa",
+    "early_exit": "train.early_exit",
+    "draft_model": "train.draft_model",
+}
 
 
 def drafter_module(name: str) -> ModuleType:
