@@ -22,8 +22,9 @@ Two checks; the verdict is printed and the figures written to ``audit.output``:
   (disjoint seeds) get a two-sample chi-square test. Both tests follow the chain
   rule: position i's test covers the next token after every sampled prefix of
   length i, each over the most frequent tokens with the rare ones binned
-  together; conditional tests, and independent prompts, add up. The reported
-  p-value is Bonferroni's over the positions (smallest p-value times their number).
+  together; from the second token on, the token's marginal distribution is
+  tested too. Conditional tests, and independent prompts, add up. The reported
+  p-value is Bonferroni's over these tests (smallest p-value times their number).
 
 A lossy verifier (``lossless = False``) is refused unless
 ``audit.require_lossless=false``, in which case the audit measures its loss.
@@ -66,6 +67,8 @@ from decoders.tracking import run_name, sweep_group  # noqa: E402
 from decoders.workloads import load_workload  # noqa: E402
 
 Outcome = tuple[int, ...]  # the first generated tokens of one sample (shorter if EOS came first)
+TestKey = tuple[int, str]  # (position among the generated tokens, "conditional" or "marginal")
+ENDED = -1  # the "token" at a position a sequence did not reach (it ended with EOS before)
 AuditPrompt = tuple[str, list[int]]  # (prompt id, token ids)
 
 #: Default ``audit.tie_tolerance`` per model dtype: logit gaps this small are rounding.
@@ -224,21 +227,44 @@ def sequential_two_sample(first: Counter, second: Counter) -> list[ChiSquare]:
     return positions
 
 
-def combined_p_value(positions: list[ChiSquare]) -> float:
-    """Bonferroni over the positions' tests: the smallest p-value times their number.
+def tokens_at(outcomes: dict[Outcome, float] | Counter, position: int) -> dict[int, float]:
+    """Marginal counts (or probabilities) of the token at ``position``; sequences that
+    ended before it count as ENDED."""
+    marginal: dict[int, float] = {}
+    for outcome, weight in outcomes.items():
+        token = outcome[position] if position < len(outcome) else ENDED
+        marginal[token] = marginal.get(token, 0) + weight
+    return marginal
+
+
+def sequence_tests(
+    observed: Counter, reference: Counter | dict[Outcome, float], exact: bool
+) -> dict[TestKey, ChiSquare]:
+    """All tests of one prompt's sampled sequences against ``reference`` (exact
+    probabilities, or standard decoding's samples): for each position the next
+    token given its prefix (chain rule) and, from the second token on, the token's
+    marginal, which still has power when the prefixes are too spread out to test."""
+    if exact:
+        conditional = sequential_goodness_of_fit(observed, reference)
+    else:
+        conditional = sequential_two_sample(observed, reference)  # type: ignore[arg-type]
+    tests: dict[TestKey, ChiSquare] = {(i, "conditional"): test for i, test in enumerate(conditional)}
+    for position in range(1, len(conditional)):
+        first, second = Counter(tokens_at(observed, position)), tokens_at(reference, position)
+        tests[(position, "marginal")] = (
+            goodness_of_fit(first, second) if exact else two_sample(first, Counter(second))
+        )
+    return tests
+
+
+def combined_p_value(tests: Iterable[ChiSquare]) -> float:
+    """Bonferroni over separate tests: the smallest p-value times their number.
 
     Testing each position separately keeps a difference at one position from
     being diluted by the degrees of freedom of the others.
     """
-    tested = [test for test in positions if test.dof or test.impossible]
+    tested = [test for test in tests if test.dof or test.impossible]
     return min(1.0, len(tested) * min(test.p_value for test in tested)) if tested else 1.0
-
-
-def add_positions(total: list[ChiSquare], positions: list[ChiSquare]) -> list[ChiSquare]:
-    """Position-wise sum of independent prompts' tests."""
-    width = max(len(total), len(positions))
-    pad = [ChiSquare()] * width
-    return [a + b for a, b in zip((total + pad)[:width], (positions + pad)[:width])]
 
 
 # ------------------------------------------------------------ exact and sampled
@@ -386,25 +412,29 @@ def sampling_audit(
     length = audit.sampled_tokens
     seeds = range(audit.samples)
     standard_seeds = range(10**6, 10**6 + audit.samples)  # disjoint from the pipeline's
-    totals: list[ChiSquare] = []
+    totals: dict[TestKey, ChiSquare] = {}
     per_prompt = []
     progress = tqdm(total=len(prompts) * audit.samples * (1 if exact else 2), desc="sampling")
     for prompt_id, prompt_ids in prompts:
         observed = sample_outcomes(speculative, prompt_ids, length, seeds, progress)
         if exact:
-            expected = exact_distribution(
+            reference = exact_distribution(
                 standard.model, prompt_ids, standard.sampling, length, standard.eos_token_ids()
             )
-            positions = sequential_goodness_of_fit(observed, expected)
         else:
             reference = sample_outcomes(standard, prompt_ids, length, standard_seeds, progress)
-            positions = sequential_two_sample(observed, reference)
-        totals = add_positions(totals, positions)
+        tests = sequence_tests(observed, reference, exact)
+        for key, test in tests.items():
+            totals[key] = totals.get(key, ChiSquare()) + test
         per_prompt.append(
-            {"prompt": prompt_id, "p_value": combined_p_value(positions), "distinct_outcomes": len(observed)}
+            {
+                "prompt": prompt_id,
+                "p_value": combined_p_value(tests.values()),
+                "distinct_outcomes": len(observed),
+            }
         )
     progress.close()
-    p_value = combined_p_value(totals)
+    p_value = combined_p_value(totals.values())
     return {
         "method": "exact" if exact else "two_sample",
         "prompts": len(prompts),
@@ -414,16 +444,17 @@ def sampling_audit(
         "p_value": p_value,
         "alpha": audit.alpha,
         "passed": p_value >= audit.alpha,
-        "positions": [
+        "tests": [
             {
-                "position": i,
+                "position": position,
+                "kind": kind,
                 "statistic": t.statistic,
                 "dof": t.dof,
                 "impossible": t.impossible,
                 "p_value": t.p_value,
             }
-            for i, t in enumerate(totals)
-        ],
+            for (position, kind), t in sorted(totals.items())
+        ],  # fmt: skip
         "per_prompt": per_prompt,
     }
 

@@ -19,6 +19,7 @@ from decoders.audit import (
     combined_p_value,
     goodness_of_fit,
     run_audit,
+    sequence_tests,
     sequential_goodness_of_fit,
     sequential_two_sample,
     two_sample,
@@ -86,9 +87,11 @@ def test_audit_cli_on_an_enumerable_vocabulary(tmp_path):
     assert audit["pipeline"] == "ngram+rejection" and audit["declared_lossless"] is True
     assert audit["sampling"]["method"] == "exact"
     assert audit["pipeline_samples"] == 80 and audit["standard_samples"] == 0
-    positions = audit["sampling"]["positions"]
-    assert [p["position"] for p in positions] == [0, 1, 2]  # audit.sampled_tokens=3
-    assert all(p["impossible"] == 0 for p in positions) and sum(p["dof"] for p in positions) > 0
+    tests = audit["sampling"]["tests"]
+    assert [(t["position"], t["kind"]) for t in tests] == [  # audit.sampled_tokens=3
+        (0, "conditional"), (1, "conditional"), (1, "marginal"), (2, "conditional"), (2, "marginal")
+    ]  # fmt: skip
+    assert all(t["impossible"] == 0 for t in tests) and sum(t["dof"] for t in tests) > 0
     assert 0.001 < audit["sampling_p_value"] <= 1.0
 
 
@@ -205,3 +208,19 @@ def test_sequential_tests_hold_their_level_and_detect_a_difference():
     positions = sequential_two_sample(draw(skewed), draw(probs))  # two samples: less power
     assert combined_p_value(positions) < 1e-3
     assert positions[1].p_value < 1e-3 < positions[0].p_value  # found at the second token
+
+
+def test_marginal_tests_see_differences_behind_spread_prefixes():
+    """When first tokens are too spread for per-prefix tests, the second token's
+    marginal still compares the samples."""
+    generator = torch.Generator().manual_seed(1)
+
+    def draw(prob_zero: float) -> Counter:
+        first = torch.randint(400, (2000,), generator=generator).tolist()
+        second = (torch.rand(2000, generator=generator) >= prob_zero).long().tolist()
+        return Counter(zip(first, second))
+
+    tests = sequence_tests(draw(0.5), draw(0.6), exact=False)
+    assert tests[(1, "conditional")].dof <= 3  # about 5 samples per prefix and side: nearly all binned
+    assert tests[(1, "marginal")].p_value < 1e-4
+    assert combined_p_value(sequence_tests(draw(0.5), draw(0.5), exact=False).values()) > 0.01
