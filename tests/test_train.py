@@ -196,6 +196,19 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
     assert accuracy["chain_tau"] > 1.2
     assert meta["metrics"]["top1"] == pytest.approx(accuracy["top1"], abs=0.02)  # float32 in training
 
+    # Measuring the artifact on other prompts (Spec-Bench format) adds per-category metrics.
+    questions = tmp_path / "questions.jsonl"
+    rows = [
+        {"question_id": i, "category": c, "turns": [f"Tell me about {c} {i}."]}
+        for i, c in enumerate("ab" * 3)
+    ]
+    questions.write_text("\n".join(json.dumps(r) for r in rows))
+    train_tiny_medusa(tmp_path, ("train.eval.only=true", f"train.eval.path={questions}"))
+    measured = json.loads((artifact / "medusa.json").read_text())
+    assert set(measured["eval_metrics"]) == {"eval", "eval/a", "eval/b"}
+    assert measured["eval_metrics"]["eval/a"]["positions"] > 0
+    assert measured["tree"] == meta["tree"] and measured["metrics"]["top1"] == meta["metrics"]["top1"]
+
 
 def test_unknown_drafter_lists_the_known_ones():
     with pytest.raises(KeyError, match="drafters: .*medusa"):

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from proposers.medusa import LORA_TARGETS, MedusaHeads, best_tree, save_artifact
+from proposers.medusa import CONFIG_FILE, LORA_TARGETS, MedusaHeads, best_tree, load_artifact, save_artifact
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
 from train.loop import FitConfig, fit
@@ -62,6 +62,16 @@ def train(job: TrainJob) -> Path:
     cfg: Config = job.drafter_config(Config)
     training, heldout = split_heldout(job.sequences(), job.data_config.heldout)
     lm_head = job.pipeline.model.get_output_embeddings()
+    if job.eval_only:  # measure the existing artifact again (e.g. on new eval prompts)
+        if not (job.output_dir / CONFIG_FILE).exists():
+            raise FileNotFoundError(
+                f"train.eval.only=true, but there is no Medusa artifact at {job.output_dir}"
+            )
+        artifact = load_artifact(job.output_dir, lm_head)
+        metrics = measure(job, artifact.heads, heldout, cfg)
+        meta = {**artifact.meta, "metrics": metrics.pop("heldout"), "eval_metrics": metrics}
+        (job.output_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        return job.output_dir
     vocab_size, hidden_size = lm_head.weight.shape
     draft_vocab = draft_vocabulary(training, vocab_size, cfg.draft_vocab_size)
     heads, peft_heads = build_heads(lm_head, cfg, draft_vocab)
@@ -90,6 +100,35 @@ def train(job: TrainJob) -> Path:
     checkpoint = job.output_dir / "checkpoint.pt"
     last = fit(heads, rows, loss_fn, cfg, checkpoint, fingerprint, job.logger, resume=job.resume)
 
+    metrics = measure(job, heads, heldout, cfg)
+    heldout_metrics = metrics.pop("heldout")
+    meta = {
+        "drafter": "medusa",
+        "target": job.pipeline.context.target_key,
+        "num_heads": cfg.num_heads,
+        "hidden_size": hidden_size,
+        "vocab_size": vocab_size,
+        "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
+        "trainable_parameters": sum(p.numel() for p in heads.parameters() if p.requires_grad),
+        "tree": best_tree(heldout_metrics["rank_accuracy"], cfg.tree_nodes),
+        "metrics": heldout_metrics,
+        "eval_metrics": metrics,
+        "train_metrics": last,
+        "training": {
+            "config": asdict(cfg),
+            "data": asdict(job.data_config),
+            "sequences": len(training),
+            "positions": len(rows["hidden"]),
+        },
+    }
+    save_artifact(peft_heads, job.output_dir, meta)
+    checkpoint.unlink(missing_ok=True)
+    return job.output_dir
+
+
+def measure(job: TrainJob, heads: MedusaHeads, heldout: list[Sequence], cfg: Config) -> dict[str, dict]:
+    """Accuracies on the held-out sequences and, if ``train.eval.path`` is set, on its
+    prompts, overall and per category; printed and logged to W&B."""
     metrics = {"heldout": evaluate(heads, heldout, cfg)}
     evaluation = job.eval_sequences()
     if evaluation:
@@ -103,29 +142,7 @@ def train(job: TrainJob) -> Path:
     job.logger.summary(
         {f"{split}/{key}": value for split, values in metrics.items() for key, value in values.items()}
     )
-
-    meta = {
-        "drafter": "medusa",
-        "target": job.pipeline.context.target_key,
-        "num_heads": cfg.num_heads,
-        "hidden_size": hidden_size,
-        "vocab_size": vocab_size,
-        "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
-        "trainable_parameters": sum(p.numel() for p in heads.parameters() if p.requires_grad),
-        "tree": best_tree(metrics["heldout"]["rank_accuracy"], cfg.tree_nodes),
-        "metrics": metrics["heldout"],
-        "eval_metrics": {split: values for split, values in metrics.items() if split != "heldout"},
-        "train_metrics": last,
-        "training": {
-            "config": asdict(cfg),
-            "data": asdict(job.data_config),
-            "sequences": len(training),
-            "positions": len(rows["hidden"]),
-        },
-    }
-    save_artifact(peft_heads, job.output_dir, meta)
-    checkpoint.unlink(missing_ok=True)
-    return job.output_dir
+    return metrics
 
 
 def build_heads(
