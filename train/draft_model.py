@@ -14,6 +14,14 @@ no target pass is rerun and no logits are stored. ``loss`` chooses
     tv   TV(p, q) = 1/2 sum_x |p(x) - q(x)|              (speculative sampling accepts a draft token
                                                            with probability 1 - TV(p, q))
 
+With ``draft_vocab_size=N`` (default 8192) both distributions are taken over
+the N tokens the target outputs most often (p and q renormalised over them),
+the vocabulary ``proposer.vocab_size=N`` drafts over: the three LM-head products
+of a step (draft logits, target logits, the draft's gradient) dominate its cost
+and shrink by vocab / N. For drafting over N tokens this is the exact objective:
+its optimum q = p restricted to the N tokens attains the best acceptance any q
+over them can (the target's mass inside them), and the same argmax among them.
+
 A full fine-tune of the copied layers and final norm, not PEFT: the draft is a
 model of its own, so there is no shared backbone to keep intact, and a stack of
 a few layers has to learn much of what the 30 layers after it did, which a
@@ -71,6 +79,7 @@ class Config(FitConfig):
     num_layers: int = 4
     layers: Any = "first"  # "first", "spread" (evenly from first to last), or a list of target layer indices
     loss: str = "kl"  # kl | tv
+    draft_vocab_size: int = 8192  # distil over the N most frequent response tokens; 0 = the whole vocabulary
     chain_k: int = 4  # draft length assumed by the chain_tau estimate
     vocab_sizes: list[int] = field(
         default_factory=lambda: [1024, 4096, 8192]
@@ -85,6 +94,10 @@ def train(job: TrainJob) -> Path:
     cfg: Config = job.drafter_config(Config)
     if cfg.loss not in LOSSES:
         raise ValueError(f"drafter.loss={cfg.loss!r} is not one of {', '.join(LOSSES)}")
+    if cfg.draft_vocab_size < 0:
+        raise ValueError(
+            f"drafter.draft_vocab_size must be >= 0 (0 = all tokens), got {cfg.draft_vocab_size}"
+        )
     target = job.pipeline.model
     layers = chosen_layers(cfg.layers, cfg.num_layers, target.config.num_hidden_layers)
     sequences = job.sequences()
@@ -99,17 +112,21 @@ def train(job: TrainJob) -> Path:
     output = job.output_dir
     output.mkdir(parents=True, exist_ok=True)
     save_draft_vocab(output, token_counts)
+    ranked = int((token_counts > 0).sum())
     vocabularies = {
         size: DraftVocabulary.load(output, size)
-        for size in cfg.vocab_sizes
-        if size <= int((token_counts > 0).sum())
+        for size in sorted({*cfg.vocab_sizes, cfg.draft_vocab_size} - {0})
+        if size <= ranked
     }
 
     draft = build_draft(target, layers)
+    head = draft.get_output_embeddings()  # the target's frozen head
+    if cfg.draft_vocab_size:
+        head = DraftVocabulary.load(output, min(cfg.draft_vocab_size, ranked)).head(head)
     initial = {"heldout": evaluate(draft, heldout, cfg, vocabularies)}
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        draft_logits, target_logits = response_logits(draft, batch)  # (P, vocab) each
+        draft_logits, target_logits = response_logits(draft, head, batch)  # (P, draft vocab) each
         metrics = {
             "top1": float((draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean()),
             "acceptance": float(1 - total_variation(draft_logits.detach(), target_logits).mean()),
@@ -141,6 +158,7 @@ def train(job: TrainJob) -> Path:
         "drafter": "draft_model",
         "target": job.pipeline.context.target_key,
         "target_layers": layers,
+        "draft_vocab_size": cfg.draft_vocab_size and min(cfg.draft_vocab_size, ranked),
         "parameters": sum(p.numel() for p in draft.parameters()),
         "trainable_parameters": sum(p.numel() for p in draft.parameters() if p.requires_grad),
         "training_seconds": round(seconds, 1),
@@ -237,8 +255,11 @@ def training_rows(sequences: list[Sequence]) -> dict[str, torch.Tensor]:
     }
 
 
-def response_logits(draft: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(draft logits, target logits), each (P, vocab) float32, at the batch's P response
+def response_logits(
+    draft: nn.Module, head: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(draft logits, target logits) through ``head`` (the target's, or its rows for a
+    draft vocabulary), each (P, head outputs) float32, at the batch's P response
     positions in order; the head runs on those positions only."""
     width = int(batch["length"].max())
     responses = int(batch["response_len"].max())
@@ -251,7 +272,6 @@ def response_logits(draft: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
     rows = torch.arange(len(input_ids))[:, None].expand_as(positions)  # (B, R)
     draft_hidden = hidden[rows[valid], positions[valid]]  # (P, hidden)
     target_hidden = batch["target_hidden"][:, :responses][valid].to(device, torch.float32)  # (P, hidden)
-    head = draft.get_output_embeddings()  # the target's frozen head
     return head(draft_hidden).float(), head(target_hidden).float()
 
 
@@ -285,7 +305,9 @@ def evaluate(
     sums: dict[str, float] = {}
     for start in range(0, len(rows["input_ids"]), cfg.eval_batch_size):
         batch = {key: value[start : start + cfg.eval_batch_size] for key, value in rows.items()}
-        draft_logits, target_logits = response_logits(draft, batch)  # (P, vocab)
+        draft_logits, target_logits = response_logits(
+            draft, draft.get_output_embeddings(), batch
+        )  # (P, vocab)
         target_top = target_logits.argmax(-1)  # (P,)
         for suffix, token_ids in variants.items():
             logits = draft_logits if token_ids is None else _restricted(draft_logits, token_ids)
