@@ -63,6 +63,7 @@ from decoders.metrics import first_divergence  # noqa: E402
 from decoders.models import load_model  # noqa: E402
 from decoders.registry import verifier_registry  # noqa: E402
 from decoders.sampling import SamplingConfig, check_finite, processed_probs  # noqa: E402
+from decoders.session import ModelSession  # noqa: E402
 from decoders.tracking import run_name, sweep_group  # noqa: E402
 from decoders.workloads import load_workload  # noqa: E402
 
@@ -308,6 +309,46 @@ def exact_distribution(
     return finished
 
 
+class PromptReuseSession(ModelSession):
+    """A target session that serves a repeated prefill of the same prompt from its cache.
+
+    The sampling test decodes each prompt once per seed, and on a CPU the prompt's
+    prefill dominates each run. After a generation the cache still starts with the
+    prompt, so a new request for the same prompt truncates the cache back to it and
+    returns the saved prefill logits and hidden states: bitwise what recomputing
+    them gives. Any other first pass after :meth:`reset` is an ordinary prefill.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        ModelSession.reset(self)
+        self._prompt: tuple[list[int], torch.Tensor, torch.Tensor | None] | None = None
+
+    def reset(self) -> None:
+        self._reset_pending = True  # decided by the next forward: reuse or a fresh prefill
+
+    def forward(self, tokens: list[int], *args, **kwargs) -> torch.Tensor:
+        if not self._reset_pending:
+            return super().forward(tokens, *args, **kwargs)
+        self._reset_pending = False
+        if self._prompt is not None and not args and not kwargs:
+            prompt, logits, hidden = self._prompt
+            if tokens == prompt and self.cached[: len(prompt)] == prompt:
+                self.truncate(len(prompt))
+                self.hidden = hidden
+                return logits
+        ModelSession.reset(self)
+        logits = super().forward(tokens, *args, **kwargs)
+        self._prompt = (list(tokens), logits, self.hidden)
+        return logits
+
+
+def reusing_prompts(pipeline: Pipeline) -> Pipeline:
+    """``pipeline`` with its target session replaced by a :class:`PromptReuseSession`."""
+    pipeline.session = PromptReuseSession(pipeline.model)
+    return pipeline
+
+
 def sample_outcomes(
     pipeline: Pipeline, prompt_ids: list[int], length: int, seeds: Iterable[int], progress: tqdm | None = None
 ) -> Counter:
@@ -499,8 +540,8 @@ def run_audit(cfg: DictConfig) -> dict:
     sampling_result = None
     if not sampling.greedy:
         sampling_result = sampling_audit(
-            standard.with_components(None, None, sampling),
-            standard.with_components(proposer_cfg, verifier_cfg, sampling),
+            reusing_prompts(standard.with_components(None, None, sampling)),
+            reusing_prompts(standard.with_components(proposer_cfg, verifier_cfg, sampling)),
             prompts[: audit.sampling_prompts],
             audit,
         )

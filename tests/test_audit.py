@@ -13,11 +13,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from scipy import stats
 
+from decoders import Pipeline, SamplingConfig
 from decoders.audit import (
     ChiSquare,
     LossyVerifierError,
     combined_p_value,
     goodness_of_fit,
+    reusing_prompts,
     run_audit,
     sequence_tests,
     sequential_goodness_of_fit,
@@ -26,7 +28,8 @@ from decoders.audit import (
 )
 from decoders.config import CONF_DIR
 from decoders.draft import Acceptance
-from decoders.registry import register_verifier, verifier_registry
+from decoders.registry import proposer_registry, register_verifier, verifier_registry
+from decoders.session import ModelSession
 from tests.bench_helpers import write_workload
 from tests.conftest import REPO_ROOT
 from verifiers.base import Verifier
@@ -224,3 +227,35 @@ def test_marginal_tests_see_differences_behind_spread_prefixes():
     assert tests[(1, "conditional")].dof <= 3  # about 5 samples per prefix and side: nearly all binned
     assert tests[(1, "marginal")].p_value < 1e-4
     assert combined_p_value(sequence_tests(draw(0.5), draw(0.5), exact=False).values()) > 0.01
+
+
+@pytest.mark.parametrize("proposer", [None, *proposer_registry.names()])
+def test_prompt_reuse_session_changes_nothing_but_the_cost(
+    tiny_model, tiny_config, tmp_path, monkeypatch, proposer
+):
+    """The sampling test's prefill reuse gives, seed by seed, the tokens of fresh prefills."""
+    model, tokenizer = tiny_model
+    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    try:
+        fresh = Pipeline(model, tokenizer, proposer, "rejection" if proposer else None, sampling,
+                         model_config=tiny_config, artifacts_dir=tmp_path)  # fmt: skip
+    except FileNotFoundError as missing:  # needs a trained artifact that is not there
+        pytest.skip(str(missing))
+    reused = reusing_prompts(fresh.with_components(proposer, "rejection" if proposer else None))
+    pass_lengths: list[int] = []
+    forward = ModelSession.forward
+
+    def counting(session, tokens, *args, **kwargs):
+        if session is reused.session:
+            pass_lengths.append(len(tokens))
+        return forward(session, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ModelSession, "forward", counting)
+    prompts = ([5, 6, 7, 5, 6, 7, 5, 6], [9] * 11)  # longer than any verification pass
+    for prompt in prompts:
+        for seed in range(6):
+            expected = fresh.generate(prompt, 8, seed=seed)
+            result = reused.generate(prompt, 8, seed=seed)
+            assert result.tokens == expected.tokens
+            assert result.stats.accepted == expected.stats.accepted
+    assert pass_lengths.count(8) == pass_lengths.count(11) == 1  # one real prefill per prompt
