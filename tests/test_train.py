@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -58,14 +59,18 @@ SETTINGS = generation.GenerationSettings(20, SamplingConfig(), batch_size=4, kee
 
 
 def test_batched_generation_equals_standard_greedy_decoding(tiny_pipeline):
-    """Left padding and the batch's shared cache change nothing: every row is what
-    standard decoding produces, and its hidden rows are the target's own states."""
+    """Left padding, the batch's shared cache and finished rows leaving the batch change
+    nothing: every row is what standard decoding produces, cut at the first EOS, and
+    its hidden rows are the target's own states."""
     model = tiny_pipeline.model
-    prompts = [tuple(p[:30]) for p in random_prompts(5, seed=3)]
-    outputs = generation.generate_batch(model, prompts, SETTINGS, frozenset({257}), 258, torch.Generator())
+    prompts = [tuple(p[:30]) for p in random_prompts(6, seed=3)]
+    full = [tiny_pipeline.generate(list(p), 20).tokens for p in prompts]
+    eos = Counter(t for tokens in full for t in tokens[2:12]).most_common(1)[0][0]  # ends rows mid-batch
+    outputs = generation.generate_batch(model, prompts, SETTINGS, frozenset({eos}), 258, torch.Generator())
+    assert sum(eos in tokens for tokens in full) >= 2
     session = ModelSession(model)
-    for prompt, out in zip(prompts, outputs):
-        assert out.output == tiny_pipeline.generate(list(prompt), 20).tokens
+    for prompt, tokens, out in zip(prompts, full, outputs):
+        assert out.output == (tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
         session.reset()
         session.forward(list(prompt) + out.output[:-1])
         expected_hidden = session.hidden[len(prompt) - 1 :]  # (len(output), hidden)

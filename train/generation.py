@@ -65,25 +65,30 @@ def generate_batch(
 ) -> list[Generation]:
     """Generate after each prompt (left padding, one KV cache for the batch).
 
-    Each output ends at its first EOS (kept) or after ``max_new_tokens``.
+    Each output ends at its first EOS (kept) or after ``max_new_tokens``. Finished
+    sequences leave the batch (and the cache) at once, so a batch costs what its
+    unfinished sequences need, not what its longest one needs for all.
     """
     device = next(model.parameters()).device
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (B, width)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, width)
+    count, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((count, width), pad_token_id, dtype=torch.long)  # (B, width)
+    attention_mask = torch.zeros((count, width), dtype=torch.long)  # (B, width)
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
         attention_mask[row, width - len(prompt) :] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, width)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (active, width)
     eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
-    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (B,)
-    tokens: list[torch.Tensor] = []  # per step (B,)
-    hiddens: list[torch.Tensor] = []  # per step (B, hidden)
+    rows = torch.arange(count, device=device)  # (active,) batch row of each unfinished sequence
+    tokens = torch.full((count, settings.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    hidden_size = lm_head.in_features
+    hiddens = torch.zeros((count, settings.max_new_tokens, hidden_size) if settings.keep_hidden else (0,),
+                          dtype=torch.float16, device=device)  # fmt: skip
+    lengths = torch.zeros(count, dtype=torch.long)  # (B,)
     step_input = input_ids
-    for _ in range(settings.max_new_tokens):
+    for step in range(settings.max_new_tokens):
         outputs = decoder(
             input_ids=step_input,
             attention_mask=attention_mask,
@@ -91,33 +96,37 @@ def generate_batch(
             cache=cache,
             use_cache=True,
         )
-        hidden = outputs.last_hidden_state[:, -1]  # (B, hidden)
-        logits = lm_head(hidden).float()  # (B, vocab)
+        hidden = outputs.last_hidden_state[:, -1]  # (active, hidden)
+        logits = lm_head(hidden).float()  # (active, vocab)
         if settings.sampling.greedy:
-            next_tokens = logits.argmax(-1)  # (B,)
+            next_tokens = logits.argmax(-1)  # (active,)
         else:
-            next_tokens = sample(processed_probs(logits, settings.sampling), generator)  # (B,)
-        next_tokens = torch.where(finished, pad_token_id, next_tokens)
-        tokens.append(next_tokens)
+            next_tokens = sample(processed_probs(logits, settings.sampling), generator)  # (active,)
+        tokens[rows, step] = next_tokens
         if settings.keep_hidden:
-            hiddens.append(hidden.to(torch.float16))
-        finished |= torch.isin(next_tokens, eos)
-        if bool(finished.all()):
+            hiddens[rows, step] = hidden.to(torch.float16)
+        lengths[rows.cpu()] += 1
+        unfinished = ~torch.isin(next_tokens, eos)  # (active,)
+        if not bool(unfinished.any()):
             break
-        step_input = next_tokens[:, None]  # (B, 1)
+        if not bool(unfinished.all()):  # drop finished sequences from the batch and the cache
+            keep = unfinished.nonzero().flatten()
+            cache.batch_select_indices(keep)
+            rows, next_tokens = rows[keep], next_tokens[keep]
+            attention_mask, position_ids = attention_mask[keep], position_ids[keep]
+        step_input = next_tokens[:, None]  # (active, 1)
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         position_ids = position_ids[:, -1:] + 1
 
-    steps = torch.stack(tokens, dim=1).cpu()  # (B, steps)
-    stacked_hidden = torch.stack(hiddens, dim=1).cpu() if hiddens else None  # (B, steps, hidden)
-    generations = []
-    for row, prompt in enumerate(prompts):
-        output = steps[row].tolist()
-        ends = [i for i, token in enumerate(output) if token in eos_token_ids]
-        output = output[: ends[0] + 1] if ends else output
-        hidden = None if stacked_hidden is None else stacked_hidden[row, : len(output)].clone()
-        generations.append(Generation(list(prompt), output, hidden))
-    return generations
+    tokens, hiddens = tokens.cpu(), hiddens.cpu()
+    return [
+        Generation(
+            list(prompt),
+            tokens[row, : lengths[row]].tolist(),
+            hiddens[row, : lengths[row]].clone() if settings.keep_hidden else None,
+        )
+        for row, prompt in enumerate(prompts)
+    ]
 
 
 class GenerationStore:
