@@ -106,6 +106,15 @@ def test_generation_store_resumes_where_it_stopped(tiny_pipeline, tmp_path, monk
         torch.testing.assert_close(second[request.id].hidden, first[request.id].hidden)
 
 
+def test_runs_sharing_a_generation_folder_keep_each_others_parts(tmp_path):
+    first, second = generation.GenerationStore(tmp_path), generation.GenerationStore(tmp_path)
+    first.add(["a"], [generation.Generation([1], [2, 3], torch.zeros(2, 4, dtype=torch.float16))])
+    second.add(["b"], [generation.Generation([1], [4], torch.ones(1, 4, dtype=torch.float16))])
+    reloaded = generation.GenerationStore(tmp_path)
+    assert reloaded.get(generation.Request("a", (1,)), with_hidden=True).output == [2, 3]
+    assert reloaded.get(generation.Request("b", (1,)), with_hidden=True).hidden.sum() == 4
+
+
 def test_templated_prompts_are_stable_varied_and_not_the_benchmarks():
     specs = [builtin.templated_prompt(0, i, passages=8) for i in range(220)]
     assert specs == [builtin.templated_prompt(0, i, passages=8) for i in range(220)]

@@ -4,9 +4,10 @@
 KV cache and keeps, per sequence, the target's final hidden state at every
 position that predicted a generated token, so drafters that read hidden states
 (Medusa heads) never rerun the target. :class:`GenerationStore` appends each
-finished batch to a folder (``part_NNNNN.json`` with the token ids, written
-last, and ``part_NNNNN.safetensors`` with the hidden states); an interrupted
-run reloads the finished parts and generates only what is missing.
+finished batch to a folder (``part_<time>_<pid>.json`` with the token ids,
+written last, and ``part_<time>_<pid>.safetensors`` with the hidden states;
+names unique per writer, so several runs may share the folder); an
+interrupted run reloads the finished parts and generates only what is missing.
 """
 
 from __future__ import annotations
@@ -147,17 +148,20 @@ class GenerationStore:
         for item in items:
             self.generations[item["id"]] = Generation(item["prompt"], item["output"], hidden.get(item["id"]))
 
-    def get(self, request: Request) -> Generation | None:
-        """The cached generation for ``request``, if its prompt is the same."""
+    def get(self, request: Request, with_hidden: bool = False) -> Generation | None:
+        """The cached generation for ``request``, if its prompt is the same (and it has
+        its hidden states, if ``with_hidden``)."""
         found = self.generations.get(request.id)
         if found is None or tuple(found.prompt) != request.prompt:
+            return None
+        if with_hidden and (found.hidden is None or len(found.hidden) != len(found.output)):
             return None
         return found
 
     def add(self, ids: list[str], generations: list[Generation]) -> None:
         """Write one part atomically: tensors first, then the index that makes the part visible."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        stem = self.directory / f"part_{self.parts:05d}"
+        stem = self.directory / f"part_{time.time_ns()}_{os.getpid()}"
         hidden = {i: g.hidden.contiguous() for i, g in zip(ids, generations) if g.hidden is not None}
         if hidden:
             _atomic_write(stem.with_suffix(".safetensors"), lambda path: save_file(hidden, str(path)))
@@ -184,7 +188,8 @@ def generate_all(
 ) -> dict[str, Generation]:
     """Generations for every request: cached ones reused, the rest generated in
     batches of similar prompt length (less padding) and stored as they finish."""
-    pending = sorted((r for r in requests if store.get(r) is None), key=lambda r: len(r.prompt))
+    pending = [r for r in requests if store.get(r, settings.keep_hidden) is None]
+    pending.sort(key=lambda r: len(r.prompt))
     batches = [pending[i : i + settings.batch_size] for i in range(0, len(pending), settings.batch_size)]
     new_tokens, start = 0, time.perf_counter()
     with tqdm(total=len(pending), desc=desc, unit="seq", disable=not pending) as progress:
