@@ -173,14 +173,12 @@ def results_payload(
             baseline,
             sampling.greedy,
         )
-        limit = (
-            physical_limit(records[contender.name], cost_curve) if contender.kind == "speculative" else None
-        )
-        entry["ideal_speedup"] = limit["ideal_speedup"] if limit else None
-        entry["efficiency"] = entry["speedup"] / limit["ideal_speedup"] if limit else None
+        entry["ideal_speedup"] = entry["efficiency"] = None  # the physical limit, speculative pipelines only
+        speculative = contender.kind == "speculative"
+        limit = physical_limit(records[contender.name], cost_curve) if speculative else None
         if limit:
-            entry["mean_draft_size"] = limit["mean_draft_size"]
-            entry["draft_seconds_per_round"] = limit["draft_seconds_per_round"]
+            entry.update(limit)  # ideal_speedup, mean_draft_size, draft_seconds_per_round
+            entry["efficiency"] = entry["speedup"] / limit["ideal_speedup"]
         entry["lossless"] = contender.lossless
         if contender.info:
             entry["info"] = contender.info
