@@ -28,6 +28,9 @@ Two checks; the verdict is printed and the figures written to ``audit.output``:
 
 A lossy verifier (``lossless = False``) is refused unless
 ``audit.require_lossless=false``, in which case the audit measures its loss.
+``audit.output`` is rewritten after the greedy test and after each prompt of
+the sampling test (with ``complete: false``), so an interrupted audit keeps what
+it finished. The exit status is 1 when a lossless audit fails.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -445,16 +448,22 @@ def check_lossless_claim(verifier_name: str, audit: AuditConfig) -> bool:
 
 
 def sampling_audit(
-    standard: Pipeline, speculative: Pipeline, prompts: list[AuditPrompt], audit: AuditConfig
+    standard: Pipeline,
+    speculative: Pipeline,
+    prompts: list[AuditPrompt],
+    audit: AuditConfig,
+    checkpoint: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Exact or two-sample chi-square test of the first generated tokens' distribution."""
-    vocab_size = standard.model.config.vocab_size
-    exact = vocab_size <= audit.max_enumerable_vocab
+    """Exact or two-sample chi-square test of the first generated tokens' distribution.
+
+    ``checkpoint`` gets the summary over the prompts done so far after each prompt.
+    """
+    exact = standard.model.config.vocab_size <= audit.max_enumerable_vocab
     length = audit.sampled_tokens
     seeds = range(audit.samples)
     standard_seeds = range(10**6, 10**6 + audit.samples)  # disjoint from the pipeline's
     totals: dict[TestKey, ChiSquare] = {}
-    per_prompt = []
+    per_prompt: list[dict] = []
     progress = tqdm(total=len(prompts) * audit.samples * (1 if exact else 2), desc="sampling")
     for prompt_id, prompt_ids in prompts:
         observed = sample_outcomes(speculative, prompt_ids, length, seeds, progress)
@@ -474,14 +483,24 @@ def sampling_audit(
                 "distinct_outcomes": len(observed),
             }
         )
+        if checkpoint is not None:
+            checkpoint(sampling_summary(totals, per_prompt, exact, audit))
     progress.close()
+    return sampling_summary(totals, per_prompt, exact, audit)
+
+
+def sampling_summary(
+    totals: dict[TestKey, ChiSquare], per_prompt: list[dict], exact: bool, audit: AuditConfig
+) -> dict:
+    """The sampling test's record over the prompts in ``per_prompt``."""
     p_value = combined_p_value(totals.values())
+    samples = audit.samples * len(per_prompt)
     return {
         "method": "exact" if exact else "two_sample",
-        "prompts": len(prompts),
-        "sampled_tokens": length,
-        "pipeline_samples": audit.samples * len(prompts),
-        "standard_samples": 0 if exact else audit.samples * len(prompts),
+        "prompts": len(per_prompt),
+        "sampled_tokens": audit.sampled_tokens,
+        "pipeline_samples": samples,
+        "standard_samples": 0 if exact else samples,
         "p_value": p_value,
         "alpha": audit.alpha,
         "passed": p_value >= audit.alpha,
@@ -500,8 +519,13 @@ def sampling_audit(
     }
 
 
-def run_audit(cfg: DictConfig) -> dict:
-    """Run both checks for the configured pipeline; returns the audit record."""
+def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Run both checks for the configured pipeline; returns the audit record.
+
+    ``checkpoint`` gets the record so far (``complete: false``) after the greedy
+    test and after each prompt of the sampling test, so a long audit that is
+    interrupted keeps what it finished.
+    """
     load_plugins(cfg)
     audit = to_dataclass(AuditConfig, cfg.audit, "audit")
     sampling = sampling_config(cfg)
@@ -524,11 +548,9 @@ def run_audit(cfg: DictConfig) -> dict:
         prompts = synthetic_prompts(target.config.vocab_size, count)
     else:
         prompts = workload_prompts(cfg, standard, count)
-    tolerance = (
-        audit.tie_tolerance
-        if audit.tie_tolerance is not None
-        else TIE_TOLERANCE.get(standard.session.dtype, 1e-3)
-    )
+    tolerance = audit.tie_tolerance
+    if tolerance is None:
+        tolerance = TIE_TOLERANCE.get(standard.session.dtype, 1e-3)
     start = time.perf_counter()
 
     speculative = standard.with_components(proposer_cfg, verifier_cfg)
@@ -537,40 +559,47 @@ def run_audit(cfg: DictConfig) -> dict:
     )
     ties_only = all(d.logit_gap is not None and abs(d.logit_gap) <= tolerance for d in divergences)
 
-    sampling_result = None
-    if not sampling.greedy:
-        sampling_result = sampling_audit(
-            reusing_prompts(standard.with_components(None, None, sampling)),
-            reusing_prompts(standard.with_components(proposer_cfg, verifier_cfg, sampling)),
-            prompts[: audit.sampling_prompts],
-            audit,
-        )
-    passed = ties_only and (sampling_result is None or sampling_result["passed"])
-    return {
-        "passed": passed,
-        "verdict": verdict(passed, identical, divergences, tolerance, sampling_result, declared_lossless),
-        "pipeline": speculative.name,
-        "proposer": speculative.proposer.name,  # type: ignore[union-attr]
-        "verifier": verifier_name,
-        "declared_lossless": declared_lossless,
-        "model": standard.context.target_key,
-        "dtype": str(standard.session.dtype).removeprefix("torch."),
-        "device": str(standard.session.device),
-        "temperature": sampling.temperature,
-        "top_k": sampling.top_k,
-        "top_p": sampling.top_p,
-        "greedy_identical": identical,
-        "greedy_prompts": len(prompts[: audit.prompts]),
-        "greedy_max_new_tokens": audit.max_new_tokens,
-        "tie_tolerance": tolerance,
-        "divergences": [asdict(d) for d in divergences],
-        "sampling_p_value": None if sampling_result is None else sampling_result["p_value"],
-        "pipeline_samples": 0 if sampling_result is None else sampling_result["pipeline_samples"],
-        "standard_samples": 0 if sampling_result is None else sampling_result["standard_samples"],
-        "sampling": sampling_result,
-        "audit_seconds": time.perf_counter() - start,
-        "config": OmegaConf.to_container(cfg, resolve=True),
-    }
+    def record(sampling_result: dict | None, complete: bool) -> dict:
+        passed = ties_only and (sampling_result is None or sampling_result["passed"])
+        return {
+            "passed": passed,
+            "complete": complete,
+            "verdict": verdict(passed, identical, divergences, tolerance, sampling_result, declared_lossless),
+            "pipeline": speculative.name,
+            "proposer": speculative.proposer.name,  # type: ignore[union-attr]
+            "verifier": verifier_name,
+            "declared_lossless": declared_lossless,
+            "model": standard.context.target_key,
+            "dtype": str(standard.session.dtype).removeprefix("torch."),
+            "device": str(standard.session.device),
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "greedy_identical": identical,
+            "greedy_prompts": len(prompts[: audit.prompts]),
+            "greedy_max_new_tokens": audit.max_new_tokens,
+            "tie_tolerance": tolerance,
+            "divergences": [asdict(d) for d in divergences],
+            "sampling_p_value": None if sampling_result is None else sampling_result["p_value"],
+            "pipeline_samples": 0 if sampling_result is None else sampling_result["pipeline_samples"],
+            "standard_samples": 0 if sampling_result is None else sampling_result["standard_samples"],
+            "sampling": sampling_result,
+            "audit_seconds": time.perf_counter() - start,
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        }
+
+    if sampling.greedy:
+        return record(None, complete=True)
+    if checkpoint is not None:
+        checkpoint(record(None, complete=False))
+    sampling_result = sampling_audit(
+        reusing_prompts(standard.with_components(None, None, sampling)),
+        reusing_prompts(standard.with_components(proposer_cfg, verifier_cfg, sampling)),
+        prompts[: audit.sampling_prompts],
+        audit,
+        None if checkpoint is None else lambda partial: checkpoint(record(partial, complete=False)),
+    )
+    return record(sampling_result, complete=True)
 
 
 def verdict(
@@ -637,8 +666,8 @@ def log_audit(cfg: DictConfig, payload: dict) -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="audit", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    payload = run_audit(cfg)
     output = Path(cfg.audit.output)
+    payload = run_audit(cfg, checkpoint=lambda partial: write_json(output, partial))
     write_json(output, payload)
     for d in payload["divergences"]:
         print(

@@ -84,7 +84,7 @@ def test_audit_cli_on_an_enumerable_vocabulary(tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "PASSED" in completed.stdout
     audit = json.loads((tmp_path / "run" / "audit.json").read_text())  # audit.output defaults to the run dir
-    assert audit["passed"] is True
+    assert audit["passed"] is True and audit["complete"] is True
     assert audit["greedy_identical"] == 1.0 and audit["divergences"] == []
     assert audit["greedy_prompts"] == 3 and audit["dtype"] == "float64"
     assert audit["pipeline"] == "ngram+rejection" and audit["declared_lossless"] is True
@@ -109,15 +109,19 @@ def test_audit_two_sample_test_on_a_tokenizer_model(tmp_path):
         f"workload.path={write_workload(tmp_path)}",
         "audit.prompts=2",
         "audit.max_new_tokens=10",
-        "audit.sampling_prompts=1",
-        "audit.samples=80",
+        "audit.sampling_prompts=2",
+        "audit.samples=50",
     )
-    audit = run_audit(cfg)
+    partial_records: list[dict] = []
+    audit = run_audit(cfg, checkpoint=partial_records.append)
     assert audit["passed"] is True, audit["verdict"]
     assert audit["greedy_identical"] == 1.0
     assert audit["sampling"]["method"] == "two_sample"
-    assert audit["pipeline_samples"] == audit["standard_samples"] == 80
-    assert audit["sampling_p_value"] > 0.001
+    assert audit["pipeline_samples"] == audit["standard_samples"] == 100
+    assert audit["sampling_p_value"] > 0.001 and audit["complete"] is True
+    # checkpoints: after the greedy test, then after each sampling prompt
+    assert [r["complete"] for r in partial_records] == [False, False, False]
+    assert [r["pipeline_samples"] for r in partial_records] == [0, 50, 100]
     json.dumps(audit)  # the record is JSON-serialisable as written
 
 
