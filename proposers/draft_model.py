@@ -174,6 +174,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
+        tick = time.perf_counter()
         tokens = state.tokens
         self._sync(tokens)
         self._draft_start = len(tokens)
@@ -181,7 +182,6 @@ class DraftModelProposer(Proposer):
         logits = self.session.forward(tokens[len(self.session) :])[-1]  # (vocab,)
         if not self.config.tree:
             return self._draft_chain(logits, state)
-        tick = time.perf_counter()
         self._last_tree = self._draft_tree(logits)
         if self.tuner is not None:
             self.tuner.observe_draft_seconds(time.perf_counter() - tick)
