@@ -79,6 +79,11 @@ class TrainJob:
     def resume(self) -> bool:
         return bool(self.cfg.train.get("resume", True))
 
+    @property
+    def eval_only(self) -> bool:
+        """Measure the existing artifact (``train.eval.only=true``) instead of training."""
+        return bool((self.cfg.train.get("eval") or {}).get("only", False))
+
     def sequences(self) -> list[Sequence]:
         """The self-distilled training data (generated on first use, then cached)."""
         start = time.perf_counter()
