@@ -167,11 +167,11 @@ def test_rejection_sampling_keeps_the_targets_distribution(base):
     pipeline = base.with_components("medusa", "rejection", sampling)
     prompt = random_prompts(1, seed=9)[0]
     samples, accepted = Counter(), 0
-    for seed in range(600):
+    for seed in range(400):
         result = pipeline.generate(prompt, 3, seed=seed)  # round 1 drafts exactly one token
         samples[tuple(result.tokens[:2])] += 1
         accepted += result.stats.accepted
-    assert accepted > 30, "the heads' drafts were hardly ever accepted: the test would be weak"
+    assert accepted > 20, "the heads' drafts were hardly ever accepted: the test would be weak"
 
     session = ModelSession(base.model)
     first_probs = processed_probs(session.forward(prompt)[-1], sampling)  # (vocab,)
