@@ -15,8 +15,8 @@ token per pass: that is standard decoding, the baseline.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -55,11 +55,11 @@ class Draft:
             raise ValueError("draft_probs must have one row per draft node")
 
     @classmethod
-    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> "Draft":
+    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> Draft:
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs)
 
     @classmethod
-    def empty(cls) -> "Draft":
+    def empty(cls) -> Draft:
         return cls([], [])
 
     def __len__(self) -> int:
@@ -94,7 +94,7 @@ class Draft:
             kids = self.children[kids[0] + 1]
         return path
 
-    def select(self, nodes: list[int]) -> "Draft":
+    def select(self, nodes: list[int]) -> Draft:
         """The sub-draft made of ``nodes`` (a set closed under taking parents)."""
         index = {old: new for new, old in enumerate(nodes)}
         return Draft(
@@ -103,7 +103,7 @@ class Draft:
             None if self.draft_probs is None else self.draft_probs[nodes],
         )
 
-    def truncated(self, max_depth: int) -> "Draft":
+    def truncated(self, max_depth: int) -> Draft:
         """This draft without nodes deeper than ``max_depth`` levels (0 = empty)."""
         if max_depth <= 0:
             return Draft.empty()
@@ -111,7 +111,7 @@ class Draft:
             return self
         return self.select([i for i, d in enumerate(self.depths) if d < max_depth])
 
-    def as_chain(self) -> "Draft":
+    def as_chain(self) -> Draft:
         """This draft pruned to its principal path (a chain verifier's view)."""
         return self if self.is_chain else self.select(self.principal_path())
 

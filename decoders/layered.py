@@ -21,7 +21,7 @@ reproduces the decoder's own forward pass.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache

@@ -10,9 +10,10 @@ Without a proposer, a pipeline decodes normally (the standard baseline).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -77,7 +78,7 @@ class Pipeline:
         verifier: ComponentSpec | None = None,
         sampling: SamplingConfig | None = None,
         **kwargs: Any,
-    ) -> "Pipeline":
+    ) -> Pipeline:
         """Load a model by config name (or ModelConfig) and build the pipeline."""
         model_config = ModelConfig(name=model) if isinstance(model, str) else model
         target, tokenizer = load_model(model_config)
@@ -85,7 +86,7 @@ class Pipeline:
 
     def with_components(
         self, proposer: ComponentSpec | None, verifier: ComponentSpec | None, sampling: SamplingConfig | None = None
-    ) -> "Pipeline":
+    ) -> Pipeline:
         """Another pipeline over the same loaded target (no reload)."""
         return Pipeline(
             self.model,

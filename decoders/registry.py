@@ -18,7 +18,8 @@ import dataclasses
 import importlib
 import importlib.metadata
 import sys
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

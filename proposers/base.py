@@ -42,20 +42,20 @@ class Proposer:
     #: state at the position that produced the pending token).
     needs_hidden: ClassVar[bool] = False
 
-    def __init__(self, config: "Proposer.Config", context: "PipelineContext") -> None:
+    def __init__(self, config: Proposer.Config, context: PipelineContext) -> None:
         self.config = config
         self.context = context
 
-    def begin(self, state: "DecodeState") -> None:
+    def begin(self, state: DecodeState) -> None:
         """Reset per-request state."""
 
-    def propose(self, state: "DecodeState") -> Draft:
+    def propose(self, state: DecodeState) -> Draft:
         raise NotImplementedError
 
-    def observe(self, state: "DecodeState", acceptance: Acceptance) -> None:
+    def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
         """Called after each round with what the verifier decided."""
 
-    def verify_forward(self, target: "ModelSession", tokens: list[int], parents: list[int] | None) -> torch.Tensor:
+    def verify_forward(self, target: ModelSession, tokens: list[int], parents: list[int] | None) -> torch.Tensor:
         """The target's verification pass over ``tokens`` = [pending] + draft tokens,
         (len(tokens), vocab) logits; ``parents`` as in :meth:`ModelSession.forward`.
 

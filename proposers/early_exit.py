@@ -137,7 +137,7 @@ class ExitHead(torch.nn.Module):
         (directory / EXIT_CONFIG).write_text(json.dumps(config, indent=1))
 
     @classmethod
-    def load(cls, target: torch.nn.Module, directory: Path) -> "ExitHead":
+    def load(cls, target: torch.nn.Module, directory: Path) -> ExitHead:
         config = json.loads((directory / EXIT_CONFIG).read_text())
         shallow = config.pop("shallow_layers")
         head = cls(target, **config)

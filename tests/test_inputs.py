@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -69,7 +71,7 @@ def test_unreadable_or_malformed_workload(tmp_path):
 
 def test_workload_selection(tmp_path):
     rows = [
-        '{"question_id": %d, "category": "%s", "turns": ["q%d", "follow-up"]}' % (i, c, i)
+        json.dumps({"question_id": i, "category": c, "turns": [f"q{i}", "follow-up"]})
         for i, c in enumerate(["writing", "roleplay", "qa", "qa", "qa"])
     ]
     path = tmp_path / "q.jsonl"

@@ -35,7 +35,7 @@ class Verifier:
     #: Tree verifiers judge whole trees; chain verifiers judge the principal path.
     accepts_trees: ClassVar[bool] = False
 
-    def __init__(self, config: "Verifier.Config", **_: object) -> None:
+    def __init__(self, config: Verifier.Config, **_: object) -> None:
         self.config = config
 
     def check(self, sampling: SamplingConfig) -> None:
