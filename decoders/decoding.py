@@ -171,7 +171,7 @@ def decode(
     start = time.perf_counter()
 
     target.reset()
-    logits = target.forward(prompt_ids)[-1]  # (vocab,)
+    logits = target.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
     check_finite(logits, "prefill")
     first = next_token(logits, sampling, generator)
     stats.prefill_time = time.perf_counter() - start

@@ -43,9 +43,17 @@ class ModelSession:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: list[int], parents: list[int] | None = None, tree_start: int | None = None
+        self,
+        tokens: list[int],
+        parents: list[int] | None = None,
+        tree_start: int | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Append ``tokens`` and return their logits, (len(tokens), vocab).
+
+        last_only: return the last token's logits only, (1, vocab): a prefill
+        over a long prompt then skips the language-model head over every other
+        position (its hidden states are still kept in ``self.hidden``).
 
         parents: optional tree structure over the new tokens (index of each one's
         parent among them, -1 for tokens that follow the cached prefix directly).
@@ -73,7 +81,7 @@ class ModelSession:
         outputs = self.decoder(input_ids=input_ids, cache=self.cache, use_cache=True, **kwargs)
         self.hidden = outputs.last_hidden_state[0]  # (q, hidden)
         self.cached.extend(tokens)
-        return self.lm_head(self.hidden)  # (q, vocab)
+        return self.lm_head(self.hidden[-1:] if last_only else self.hidden)  # (q or 1, vocab)
 
     def truncate(self, length: int) -> None:
         """Roll the cache back to its first ``length`` tokens."""

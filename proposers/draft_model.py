@@ -179,7 +179,7 @@ class DraftModelProposer(Proposer):
         self._sync(tokens)
         self._draft_start = len(tokens)
         self._fed_parents = []
-        logits = self.session.forward(tokens[len(self.session) :])[-1]  # (vocab,)
+        logits = self.session.forward(tokens[len(self.session) :], last_only=True)[-1]  # (vocab,)
         if not self.config.tree:
             return self._draft_chain(logits, state)
         self._last_tree = self._draft_tree(logits)

@@ -1,0 +1,53 @@
+"""The narrow-pass matmul route: same products, same model outputs, right scope."""
+
+import pytest
+import torch
+
+from decoders.kernels import route_narrow_linears, wants_narrow_routing
+from decoders.models import ModelConfig, load_model
+from decoders.session import ModelSession
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 48, 49, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_routed_linear_computes_the_same_product(rows, bias):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(24, 40, bias=bias)
+    x = torch.randn(1, rows, 24)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert route_narrow_linears(layer) == 1
+    got = layer(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_routing_keeps_the_model_outputs():
+    plain, _ = load_model(ModelConfig(name="tiny-random", dtype="float32", narrow_matmul="false"))
+    routed, _ = load_model(ModelConfig(name="tiny-random", dtype="float32", narrow_matmul="auto"))
+    assert all(not hasattr(m, "_narrow_max_rows") for m in plain.modules())
+    assert any(hasattr(m, "_narrow_max_rows") for m in routed.modules())
+    tokens = list(range(40, 60))
+    a, b = ModelSession(plain), ModelSession(routed)
+    torch.testing.assert_close(a.forward(tokens[:12]), b.forward(tokens[:12]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.forward(tokens[12:]), b.forward(tokens[12:]), rtol=1e-4, atol=1e-4)
+
+
+def test_routing_setting():
+    cpu = torch.device("cpu")
+    assert wants_narrow_routing("auto", cpu, torch.float32)
+    assert not wants_narrow_routing("auto", cpu, torch.float64)
+    assert not wants_narrow_routing("auto", torch.device("cuda"), torch.float32)
+    assert wants_narrow_routing("true", cpu, torch.float64)
+    with pytest.raises(ValueError, match="narrow_matmul"):
+        wants_narrow_routing("sometimes", cpu, torch.float32)
+
+
+def test_last_only_prefill_returns_the_last_row():
+    model, _ = load_model(ModelConfig(name="tiny-random", dtype="float64"))
+    full, last = ModelSession(model), ModelSession(model)
+    tokens = list(range(30, 50))
+    expected = full.forward(tokens)
+    got = last.forward(tokens, last_only=True)
+    assert got.shape == (1, expected.shape[-1])
+    torch.testing.assert_close(got[0], expected[-1])
+    torch.testing.assert_close(last.hidden, full.hidden)
