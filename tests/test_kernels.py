@@ -22,8 +22,8 @@ def test_routed_linear_computes_the_same_product(rows, bias):
 
 
 def test_routing_keeps_the_model_outputs():
-    plain, _ = load_model(ModelConfig(name="tiny-random", dtype="float32", narrow_matmul="false"))
-    routed, _ = load_model(ModelConfig(name="tiny-random", dtype="float32", narrow_matmul="auto"))
+    plain, _ = load_model(ModelConfig(name="tiny-random", dtype="float32", narrow_passes="false"))
+    routed, _ = load_model(ModelConfig(name="tiny-random", dtype="float32", narrow_passes="auto"))
     assert all(not hasattr(m, "_narrow_max_rows") for m in plain.modules())
     assert any(hasattr(m, "_narrow_max_rows") for m in routed.modules())
     tokens = list(range(40, 60))
@@ -38,7 +38,7 @@ def test_routing_setting():
     assert not wants_narrow_routing("auto", cpu, torch.float64)
     assert not wants_narrow_routing("auto", torch.device("cuda"), torch.float32)
     assert wants_narrow_routing("true", cpu, torch.float64)
-    with pytest.raises(ValueError, match="narrow_matmul"):
+    with pytest.raises(ValueError, match="narrow_passes"):
         wants_narrow_routing("sometimes", cpu, torch.float32)
 
 
@@ -51,3 +51,23 @@ def test_last_only_prefill_returns_the_last_row():
     assert got.shape == (1, expected.shape[-1])
     torch.testing.assert_close(got[0], expected[-1])
     torch.testing.assert_close(last.hidden, full.hidden)
+
+
+def test_packed_attention_matches_sdpa_on_chains_and_trees():
+    """GQA model (4 query heads over 2 key/value heads), chain and tree masks."""
+    from decoders.kernels import use_packed_gqa_attention
+    from decoders.models import tiny_random_model
+
+    def gqa_model():
+        model = tiny_random_model(320, 64, 2, seed=3)
+        return model.to(torch.float64).eval()
+
+    plain, packed = gqa_model(), gqa_model()
+    assert plain.config.num_attention_heads // plain.config.num_key_value_heads == 2
+    assert use_packed_gqa_attention(packed)
+    prefix = list(range(100, 130))
+    parents = [-1, 0, 0, 1, 2, 2]
+    for tokens, tree in ((list(range(5, 10)), None), (list(range(200, 206)), parents)):
+        a, b = ModelSession(plain), ModelSession(packed)
+        a.forward(prefix), b.forward(prefix)
+        torch.testing.assert_close(b.forward(tokens, tree), a.forward(tokens, tree))

@@ -1,0 +1,47 @@
+"""The draft-length policy: drafts what pays under the cost curve, nothing when nothing is accepted."""
+
+from decoders.cost import CostCurve
+from decoders.draft_length import DraftLengthPolicy
+
+
+def curve(per_extra_token: float) -> CostCurve:
+    return CostCurve({n: 1.0 + per_extra_token * (n - 1) for n in (1, 2, 4, 8, 16)})
+
+
+def test_new_situation_drafts_in_full_then_follows_acceptance():
+    policy = DraftLengthPolicy(5, lambda: curve(0.05))
+    assert policy.choose("a", 5) == 5  # optimistic until measured: try everything
+    for _ in range(50):
+        policy.record("a", 5, 0)  # the first token is always rejected
+    assert policy.rate("a", 1) < 0.05
+    choices = [policy.choose("a", 5) for _ in range(32)]
+    assert choices.count(0) == 30 and choices.count(1) == 2  # retried every 16th round
+    for _ in range(50):
+        policy.record("b", 5, 5)  # always fully accepted
+    assert policy.choose("b", 5) == 5
+    assert policy.choose("b", 3) == 3  # never more than the candidates
+
+
+def test_length_stops_where_acceptance_stops_paying():
+    policy = DraftLengthPolicy(6, lambda: curve(0.2))
+    for _ in range(200):
+        policy.record("k", 6, 2)  # the first two are accepted, the third never
+    assert policy.choose("k", 6) == 2
+    assert abs(policy.expected_tokens("k", 2) - 3.0) < 1e-9
+    assert abs(policy.expected_tokens("k", 3) - (3.0 + 1 / 201)) < 1e-9
+
+
+def test_noisy_curve_does_not_reward_wider_passes():
+    noisy = CostCurve({1: 1.0, 2: 1.5, 3: 1.2, 4: 1.6})  # T(3) < T(2): measurement noise
+    policy = DraftLengthPolicy(3, lambda: noisy)
+    for _ in range(100):
+        policy.record("x", 3, 1)  # depth 1 accepted, depth 2 never
+    assert policy.choose("x", 3) == 1
+
+
+def test_as_dict_reports_measured_rates():
+    policy = DraftLengthPolicy(3, lambda: curve(0.1))
+    policy.record(2, 3, 1)
+    rates = policy.as_dict()["2"]
+    assert rates["depth1"]["tried"] == 1 and rates["depth2"]["tried"] == 1
+    assert "depth3" not in rates
