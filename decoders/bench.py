@@ -103,9 +103,15 @@ def peer_contender(peer) -> Contender:
 
 
 def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
-    """The speculative pipelines this run measures."""
+    """The speculative pipelines this run measures: ``bench.pipelines`` if given,
+    else ``proposer=``/``verifier=``, else every registered proposer."""
     proposer_cfg = component(cfg, "proposer")
     verifier_cfg = component(cfg, "verifier")
+    listed = OmegaConf.to_container(cfg.bench.get("pipelines") or [], resolve=True)
+    if listed:
+        if proposer_cfg is not None:
+            raise ValueError("give either proposer=/verifier= or bench.pipelines=[...], not both")
+        return [listed_pipeline(base, entry, verifier_cfg) for entry in listed]  # type: ignore[union-attr]
     if proposer_cfg is not None:
         return [base.with_components(proposer_cfg, verifier_cfg)]
     pipelines = []
@@ -115,6 +121,23 @@ def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
         except FileNotFoundError as missing:  # a trained artifact is missing: say how to make it
             print(f"[bench] skipping {name}: {missing}", file=sys.stderr)
     return pipelines
+
+
+def listed_pipeline(base: Pipeline, entry: Any, verifier_cfg: dict | None) -> Pipeline:
+    """One ``bench.pipelines`` entry: ``"proposer+verifier"``, or a mapping with
+    ``proposer`` (a name or ``{name: ..., option: value}``), ``verifier`` (same; default
+    ``verifier=`` or the sampling's default) and an optional ``label``."""
+    if isinstance(entry, str):
+        proposer, _, verifier = entry.partition("+")
+        entry = {"proposer": proposer, "verifier": verifier or None}
+    if not isinstance(entry, dict) or "proposer" not in entry:
+        raise ValueError(
+            f"bench.pipelines entry {entry!r}: use 'proposer+verifier' or "
+            "{proposer: NAME_OR_{name: NAME, OPTION: VALUE}, verifier: NAME, label: TEXT}"
+        )
+    pipeline = base.with_components(entry["proposer"], entry.get("verifier") or verifier_cfg)
+    pipeline.label = entry.get("label")
+    return pipeline
 
 
 def turn_ids(pipeline: Pipeline, prompt: Prompt, turn: int, first_answer: str | None) -> list[int]:

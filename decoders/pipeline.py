@@ -67,6 +67,7 @@ class Pipeline:
         self.stop_strings = tuple(stop_strings)
         self.chat_template = chat_template
         self.session = ModelSession(model)
+        self.label: str | None = None  # a name for results tables (default proposer+verifier)
 
     # ------------------------------------------------------------------ building
 
@@ -108,6 +109,8 @@ class Pipeline:
 
     @property
     def name(self) -> str:
+        if self.label:
+            return self.label
         if self.proposer is None:
             return "standard"
         return f"{self.proposer.name}+{self.verifier.name}"  # type: ignore[union-attr]

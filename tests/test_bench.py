@@ -178,3 +178,24 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 4], [1, 2, 3]) == 2
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_bench_pipelines_list_runs_several_pipelines_in_one_run(tmp_path, monkeypatch):
+    output = tmp_path / "results.json"
+    listed = "bench.pipelines=[ngram+greedy,{proposer:{name:ngram,k:2,adaptive:false},verifier:greedy,label:ngram_k2}]"
+    overrides = [listed, f"bench.output={output}", f"hydra.run.dir={tmp_path / 'run'}", "bench.plots=false"]
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), *overrides))
+    entries = {e["name"]: e for e in json.loads(output.read_text())["pipelines"]}
+    assert set(entries) == {"standard", "ngram+greedy", "ngram_k2"}
+    assert entries["ngram_k2"]["identical_outputs"] == 1.0
+    assert 0 < entries["ngram_k2"]["mean_draft_size"] <= 2  # its own options, not the first entry's
+    assert entries["ngram_k2"]["info"]["proposer_config"]["k"] == 2
+    assert entries["ngram+greedy"]["info"]["proposer_config"]["k"] == 5
+
+
+def test_bench_pipelines_list_rejects_a_malformed_entry():
+    from decoders.bench import listed_pipeline
+
+    for entry in ({"verifier": "greedy"}, 3):
+        with pytest.raises(ValueError, match="bench.pipelines entry"):
+            listed_pipeline(None, entry, None)
