@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from decoders.cost import CostCurve, cached_cost_curve
 from decoders.models import ModelConfig, cache_dir
 
 
@@ -35,3 +36,7 @@ class PipelineContext:
     @property
     def cost_cache_dir(self) -> Path:
         return cache_dir() / "costs"
+
+    def cost_curve(self) -> CostCurve:
+        """The target's T(n), from the shared cache (measured there on first use)."""
+        return cached_cost_curve(self.target, self.target_key, self.cost_cache_dir)

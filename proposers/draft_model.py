@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 
-from decoders.cost import cached_cost_curve
 from decoders.draft import Draft
 from decoders.models import ModelConfig, load_model, tiny_draft_model
 from decoders.registry import register_proposer
@@ -110,7 +109,7 @@ class DraftModelProposer(Proposer):
         self._fed_parents: list[int] = []  # tree structure of the drafted entries cached after them
         self._last_tree: Draft | None = None
         self.profile = AcceptanceProfile()
-        self.tuner = BudgetTuner(self.profile, self._cost_curve, self.max_tree_nodes) if auto else None
+        self.tuner = BudgetTuner(self.profile, context.cost_curve, self.max_tree_nodes) if auto else None
 
     def _draft_dir(self) -> Path | None:
         """The draft's directory or hub id: ``name_or_path``, else the distilled draft under
@@ -147,10 +146,6 @@ class DraftModelProposer(Proposer):
         """Candidates a tree draft generates: ``tree_width`` per level and expanded node."""
         width = self.config.tree_width
         return width + (self.config.k - 1) * width * width
-
-    def _cost_curve(self):
-        context = self.context
-        return cached_cost_curve(context.target, context.target_key, context.cost_cache_dir)
 
     @property
     def tree_budget(self) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.cost import cached_cost_curve
 from decoders.draft import Draft
 from decoders.draft_length import DraftLengthPolicy
 from decoders.registry import register_proposer
@@ -51,12 +50,8 @@ class NgramProposer(Proposer):
             raise ValueError(f"proposer.branches must be >= 1, got {config.branches}")
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # tokens[:_indexed] are in the index
-        self.policy = DraftLengthPolicy(config.k, self._cost_curve) if config.adaptive else None
+        self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
         self._last: tuple[int, Draft] | None = None  # (matched suffix length, draft) of the round
-
-    def _cost_curve(self):
-        context = self.context
-        return cached_cost_curve(context.target, context.target_key, context.cost_cache_dir)
 
     def begin(self, state) -> None:
         self._index = {}
