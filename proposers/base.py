@@ -18,11 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
+
 from decoders.draft import Acceptance, Draft
+from decoders.sampling import processed_probs, sample
 
 if TYPE_CHECKING:
-    import torch
-
     from decoders.context import PipelineContext
     from decoders.decoding import DecodeState
     from decoders.session import ModelSession
@@ -70,3 +71,25 @@ class Proposer:
     def describe(self) -> dict:
         """Facts about the proposer worth recording with results."""
         return {}
+
+
+def draft_token(logits: torch.Tensor, state: DecodeState, with_confidence: bool) -> tuple[int, torch.Tensor | None, float]:
+    """One autoregressive draft step from the drafter's ``logits`` (vocab,):
+    (token index, its processed distribution q when sampling else None, confidence).
+
+    Greedy: the argmax; sampling: a draw from q after the request's
+    temperature / top-k / top-p. Confidence is the drafter's top probability
+    (1.0 unless ``with_confidence``), for ending a draft where the drafter
+    itself is unsure (``min_confidence``: a wrong token ends every later one).
+    It is the top probability, not the drawn token's: a stop that depended on
+    which token was drawn would leave the drafted tokens distributed as q
+    restricted to the confident ones, and acceptance with min(1, p/q) would then
+    no longer give p. A stop that depends only on q keeps sampling lossless.
+    """
+    if state.sampling.greedy:
+        token = int(logits.argmax())
+        confidence = float(torch.softmax(logits.float(), -1).max()) if with_confidence else 1.0
+        return token, None, confidence
+    probs = processed_probs(logits, state.sampling)  # (vocab,) float32
+    token = int(sample(probs, state.generator))
+    return token, probs, float(probs.max()) if with_confidence else 1.0

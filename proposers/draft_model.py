@@ -54,10 +54,10 @@ import torch
 from decoders.draft import Draft
 from decoders.models import ModelConfig, load_model, tiny_draft_model
 from decoders.registry import register_proposer
-from decoders.sampling import check_finite, processed_probs, sample
+from decoders.sampling import check_finite
 from decoders.session import ModelSession
 from decoders.tree_budget import AcceptanceProfile, BudgetTuner
-from proposers.base import Proposer
+from proposers.base import Proposer, draft_token
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -83,6 +83,7 @@ class DraftModelProposer(Proposer):
         # null = the full vocabulary; N = draft only over the N tokens the target outputs
         # most often (FR-Spec), from draft_vocab.json next to the distilled draft
         vocab_size: int | None = None
+        min_confidence: float = 0.0  # end a chain draft at a token the draft gives less probability (0 = off)
 
     sampled = True
 
@@ -185,16 +186,15 @@ class DraftModelProposer(Proposer):
     def _draft_chain(self, logits: torch.Tensor, state) -> Draft:
         """k tokens, each fed back for the next; sampled from the processed draft
         distribution when sampling."""
-        sampling = state.sampling
         draft_tokens: list[int] = []
         draft_rows: list[torch.Tensor] = []
         for i in range(self.config.k):
             check_finite(logits, "draft model's forward pass")
-            if sampling.greedy:
-                token = self._full_id(int(logits.argmax()))
-            else:
-                probs = processed_probs(logits, sampling)  # (draft vocab,) float32
-                token = self._full_id(int(sample(probs, state.generator)))
+            index, probs, confidence = draft_token(logits, state, self.config.min_confidence > 0)
+            if confidence < self.config.min_confidence:
+                break
+            token = self._full_id(index)
+            if probs is not None:
                 draft_rows.append(probs if self.vocabulary is None else self.vocabulary.full_row(probs))
             draft_tokens.append(token)
             if i + 1 < self.config.k:

@@ -42,9 +42,9 @@ from safetensors.torch import load_file, save_file
 from decoders.draft import Draft
 from decoders.layered import LayeredDecoder, check_layered_equivalence
 from decoders.registry import register_proposer
-from decoders.sampling import check_finite, processed_probs, sample
+from decoders.sampling import check_finite
 from decoders.session import ModelSession
-from proposers.base import Proposer
+from proposers.base import Proposer, draft_token
 
 EXIT_WEIGHTS = "exit.safetensors"
 EXIT_CONFIG = "exit_config.json"
@@ -161,6 +161,7 @@ class EarlyExitProposer(Proposer):
         kv_reuse: bool = True  # keep the draft's shallow KV; verify only the deep layers on the block
         trained: bool = False  # use the trained exit for this exit layer (artifacts dir)
         adapter_path: str | None = None  # a trained exit's directory (implies trained)
+        min_confidence: float = 0.0  # end the draft at a token the exit gives less probability (0 = off)
 
     sampled = True
 
@@ -222,7 +223,6 @@ class EarlyExitProposer(Proposer):
     def propose(self, state) -> Draft:
         layered = self._layered(state.target)
         session = state.target
-        sampling = state.sampling
         block_start = len(session)
         inputs = [state.tokens[-1]]  # tokens fed to the shallow layers: pending, d1 .. d(k-1)
         exit_rows: list[torch.Tensor] = []
@@ -232,13 +232,12 @@ class EarlyExitProposer(Proposer):
             exit_rows.append(layered.run(layered.embed(inputs[-1:]), 0, self.exit_layer))  # (1, hidden)
             logits = self.exit_head(exit_rows[-1][0])  # (vocab,)
             check_finite(logits, "early exit's draft pass")
-            if sampling.greedy:
-                token = int(logits.argmax())
-            else:
-                probs = processed_probs(logits, sampling)  # (vocab,) float32
-                token = int(sample(probs, state.generator))
-                draft_rows.append(probs)
+            token, probs, confidence = draft_token(logits, state, self.config.min_confidence > 0)
+            if confidence < self.config.min_confidence:
+                break
             draft_tokens.append(token)
+            if probs is not None:
+                draft_rows.append(probs)
             if i + 1 < self.config.k:
                 inputs.append(token)
         if self.kv_reuse:

@@ -51,3 +51,23 @@ def test_eos_inside_a_draft_stops_generation(tiny_pipeline, proposer):
             assert pipeline.generate(prompt, 30).tokens == expected
         finally:
             tiny_pipeline.model.generation_config.eos_token_id = 257
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "early_exit"])
+def test_confidence_stop_keeps_output_and_shortens_drafts(tiny_pipeline, proposer):
+    """min_confidence ends a draft at a doubted token: same output, shorter drafts;
+    at 1.01 nothing is ever confident enough, so every round is a plain step."""
+    full = pipeline_or_skip(tiny_pipeline, {"name": proposer, "k": 4}, "greedy")
+    cautious = tiny_pipeline.with_components({"name": proposer, "k": 4, "min_confidence": 0.5}, "greedy")
+    never = tiny_pipeline.with_components({"name": proposer, "k": 4, "min_confidence": 1.01}, "greedy")
+    proposed = {"full": 0, "cautious": 0}
+    for prompt in random_prompts(4, seed=5):
+        expected = tiny_pipeline.generate(prompt, 20).tokens
+        for name, pipeline in (("full", full), ("cautious", cautious)):
+            result = pipeline.generate(prompt, 20)
+            assert result.tokens == expected
+            proposed[name] += result.stats.proposed
+        result = never.generate(prompt, 20)
+        assert result.tokens == expected and result.stats.proposed == 0
+        assert result.stats.target_passes == len(expected) - 1  # the first token comes from the prefill
+    assert proposed["cautious"] < proposed["full"]

@@ -421,6 +421,22 @@ def test_first_tokens_have_standard_decodings_distribution(small_vocab, tmp_path
     assert stats.proposed > 0  # the proposer did draft within the compared tokens
 
 
+@pytest.mark.parametrize("proposer", ["draft_model", "early_exit"])
+def test_confidence_stopped_drafts_keep_the_distribution(small_vocab, tmp_path, proposer):
+    """min_confidence ends drafts where the drafter's top probability is low; the stop
+    depends on q only, never on the drawn token, so the output stays p (chi-square)."""
+    standard = small_pipeline(small_vocab, tmp_path, E2E_SAMPLING)
+    options = {"name": proposer, "k": 2, "min_confidence": 0.5}
+    speculative = standard.with_components(options, "rejection", E2E_SAMPLING)
+    expected = exact_distribution(standard.model, REPETITIVE_PROMPT, E2E_SAMPLING, 3)
+    observed = sample_outcomes(speculative, REPETITIVE_PROMPT, 3, range(300))
+    positions = sequential_goodness_of_fit(observed, expected)
+    assert sum(test.impossible for test in positions) == 0
+    assert combined_p_value(positions) > 0.001, positions
+    sizes = [len(d) for _, d in recorded_drafts(speculative, REPETITIVE_PROMPT, 12)]
+    assert 0 < sum(sizes) < 2 * len(sizes), sizes  # some drafts were cut, some were not empty
+
+
 # ---------------------------------------------------- proposers' draft distributions
 
 
