@@ -107,7 +107,8 @@ def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
     else ``proposer=``/``verifier=``, else every registered proposer."""
     proposer_cfg = component(cfg, "proposer")
     verifier_cfg = component(cfg, "verifier")
-    listed = OmegaConf.to_container(cfg.bench.get("pipelines") or [], resolve=True)
+    node = cfg.bench.get("pipelines")
+    listed = OmegaConf.to_container(node, resolve=True) if node else []
     if listed:
         if proposer_cfg is not None:
             raise ValueError("give either proposer=/verifier= or bench.pipelines=[...], not both")

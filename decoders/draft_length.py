@@ -99,3 +99,8 @@ class DraftLengthPolicy:
             }
             for key, tried in sorted(self.tried.items(), key=lambda item: str(item[0]))
         }
+
+
+def confidence_bucket(probability: float, buckets: int = 5) -> int:
+    """A policy key from a drafter's top probability: 0 .. buckets - 1, equal widths."""
+    return min(int(probability * buckets), buckets - 1)

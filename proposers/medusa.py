@@ -55,6 +55,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from decoders.draft import Draft
+from decoders.draft_length import DraftLengthPolicy, confidence_bucket
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite, processed_probs, sample
 from proposers.base import Proposer
@@ -307,6 +308,9 @@ class MedusaProposer(Proposer):
         # null = chain of top-1 tokens; a list of Medusa choice paths, e.g.
         # [[0], [1], [0, 0]]; or "auto" = the tree stored with the artifact.
         tree: Any = None
+        # chains: cut each draft to the length that pays, from acceptance measured per
+        # first-head confidence and the target's T(n) (decoders/draft_length.py)
+        adaptive: bool = True
 
     sampled = True
     needs_hidden = True
@@ -332,6 +336,8 @@ class MedusaProposer(Proposer):
         if config.tree == "auto" and not choices:
             raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
         self.tree = None if choices is None else build_tree(choices, self.num_heads)
+        self.policy = DraftLengthPolicy(self.num_heads, context.cost_curve) if config.adaptive else None
+        self._last: tuple[int, int] | None = None  # (policy key, draft length) of the round
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
@@ -339,9 +345,18 @@ class MedusaProposer(Proposer):
         check_finite(logits, "Medusa heads")
         sampling = state.sampling
         if self.tree is None:
-            if sampling.greedy:
-                return Draft.chain(logits.argmax(-1).tolist())
-            draft_probs = processed_probs(logits, sampling)  # (K, vocab) float32
+            draft_probs = None if sampling.greedy else processed_probs(logits, sampling)  # (K, vocab) float32
+            length = self.num_heads
+            if self.policy is not None:  # the cut depends on q only: sampling stays lossless
+                first = torch.softmax(logits[0].float(), -1) if draft_probs is None else draft_probs[0]
+                key = confidence_bucket(float(first.max()))
+                length = self.policy.choose(key, self.num_heads)
+                self._last = (key, length)
+                if length == 0:
+                    return Draft.empty()
+            if draft_probs is None:
+                return Draft.chain(logits[:length].argmax(-1).tolist())
+            draft_probs = draft_probs[:length]
             return Draft.chain(sample(draft_probs, state.generator).tolist(), draft_probs)
         depths, ranks, parents = self.tree
         if sampling.greedy:
@@ -350,8 +365,15 @@ class MedusaProposer(Proposer):
         draft_probs = processed_probs(logits, sampling)[depths]  # (n, vocab): each node's head
         return Draft(sample(draft_probs, state.generator).tolist(), parents, draft_probs)
 
+    def observe(self, state, acceptance) -> None:
+        if self._last is not None and self.policy is not None:
+            key, length = self._last
+            self.policy.record(key, length, acceptance.num_accepted)
+            self._last = None
+
     def describe(self) -> dict:
         return {
+            "draft_length_rates": self.policy.as_dict() if self.policy is not None else None,
             "num_heads": self.num_heads,
             "tree_nodes": None if self.tree is None else len(self.tree[0]),
             "draft_vocab_size": None if self.heads.draft_vocab is None else len(self.heads.draft_vocab),
