@@ -130,3 +130,17 @@ class Acceptance:
     @property
     def num_accepted(self) -> int:
         return len(self.path)
+
+
+def follow_tokens(draft: Draft, tokens: list[int]) -> list[int]:
+    """The draft nodes spelling the longest prefix of ``tokens`` from the root: given the
+    tokens committed after a round, the path the target accepted."""
+    path: list[int] = []
+    row = 0
+    for token in tokens:
+        node = next((c for c in draft.children[row] if draft.tokens[c] == token), None)
+        if node is None:
+            break
+        path.append(node)
+        row = node + 1
+    return path

@@ -31,7 +31,10 @@ def narrow_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tenso
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows < 2 or rows > self._narrow_max_rows or x.device.type != "cpu":
         return F.linear(x, self.weight, self.bias)
-    y = torch.matmul(self.weight, x.reshape(rows, x.shape[-1]).T).T
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 3:  # 4 rows cost less than 3 on the measured CPU BLAS (121 vs 137 ms per SmolLM2 pass)
+        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    y = torch.matmul(self.weight, flat.T).T[:rows]
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], self.weight.shape[0])

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from decoders.draft import Draft
+from decoders.draft import Draft, follow_tokens
 from decoders.models import ModelConfig, load_model, tiny_draft_model
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite
@@ -254,20 +254,6 @@ class DraftModelProposer(Proposer):
             facts["tree_candidates"] = self.max_tree_nodes
             facts["acceptance_by_depth_rank"] = self.profile.as_dict()
         return facts
-
-
-def follow_tokens(draft: Draft, tokens: list[int]) -> list[int]:
-    """The draft nodes spelling the longest prefix of ``tokens`` from the root: given the
-    tokens committed after a round, the path the target accepted."""
-    path: list[int] = []
-    row = 0
-    for token in tokens:
-        node = next((c for c in draft.children[row] if draft.tokens[c] == token), None)
-        if node is None:
-            break
-        path.append(node)
-        row = node + 1
-    return path
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:

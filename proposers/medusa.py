@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from decoders.draft import Draft
+from decoders.draft import Draft, follow_tokens
 from decoders.draft_length import DraftLengthPolicy, confidence_bucket
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite, processed_probs, sample
+from decoders.tree_budget import AcceptanceProfile, BudgetTuner
 from proposers.base import Proposer
 
 CONFIG_FILE = "medusa.json"
@@ -308,6 +310,10 @@ class MedusaProposer(Proposer):
         # null = chain of top-1 tokens; a list of Medusa choice paths, e.g.
         # [[0], [1], [0, 0]]; or "auto" = the tree stored with the artifact.
         tree: Any = None
+        # trees: nodes kept, the first N of the tree's paths (ordered by expected
+        # acceptance); null = all; "auto" = chosen from the target's T(n) and the
+        # acceptance measured so far (decoders/tree_budget.py)
+        tree_budget: Any = None
         # chains: cut each draft to the length that pays, from acceptance measured per
         # first-head confidence and the target's T(n) (decoders/draft_length.py)
         adaptive: bool = True
@@ -336,11 +342,27 @@ class MedusaProposer(Proposer):
         if config.tree == "auto" and not choices:
             raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
         self.tree = None if choices is None else build_tree(choices, self.num_heads)
+        self._choices = [list(c) for c in choices or []]  # in order of expected acceptance
+        self._trees = {len(self._choices): self.tree}  # node budget -> (depths, ranks, parents)
+        self.profile = AcceptanceProfile()
+        budget = config.tree_budget
+        if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
+            raise ValueError(f"proposer.tree_budget must be null, a positive integer or auto, got {budget!r}")
+        auto = budget == "auto" and self.tree is not None
+        self.tuner = BudgetTuner(self.profile, context.cost_curve, len(self._choices)) if auto else None
+        self._last_tree: Draft | None = None
+        self._draft_seconds = 0.0
         self.policy = DraftLengthPolicy(self.num_heads, context.cost_curve) if config.adaptive else None
         self._last: tuple[int, int] | None = None  # (policy key, draft length) of the round
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
+        tick = time.perf_counter()
+        draft = self._propose(state)
+        self._draft_seconds = time.perf_counter() - tick
+        return draft
+
+    def _propose(self, state) -> Draft:
         logits = self.heads.fused_logits(state.last_hidden)[: self.num_heads]  # (K, vocab)
         check_finite(logits, "Medusa heads")
         sampling = state.sampling
@@ -358,14 +380,30 @@ class MedusaProposer(Proposer):
                 return Draft.chain(logits[:length].argmax(-1).tolist())
             draft_probs = draft_probs[:length]
             return Draft.chain(sample(draft_probs, state.generator).tolist(), draft_probs)
-        depths, ranks, parents = self.tree
+        depths, ranks, parents = self._budget_tree()
         if sampling.greedy:
             top_tokens = logits.topk(max(ranks) + 1, dim=-1).indices  # (K, max rank + 1)
-            return Draft(top_tokens[depths, ranks].tolist(), parents)
-        draft_probs = processed_probs(logits, sampling)[depths]  # (n, vocab): each node's head
-        return Draft(sample(draft_probs, state.generator).tolist(), parents, draft_probs)
+            draft = Draft(top_tokens[depths, ranks].tolist(), parents)
+        else:
+            draft_probs = processed_probs(logits, sampling)[depths]  # (n, vocab): each node's head
+            draft = Draft(sample(draft_probs, state.generator).tolist(), parents, draft_probs)
+        self._last_tree = draft
+        return draft
+
+    def _budget_tree(self) -> tuple[list[int], list[int], list[int]]:
+        """The tree of the first ``budget`` paths (closed under prefixes: a path never
+        ranks above its prefix), built once per budget."""
+        budget = self.tuner.budget if self.tuner is not None else self.config.tree_budget
+        budget = min(budget or len(self._choices), len(self._choices))
+        if budget not in self._trees:
+            self._trees[budget] = build_tree(self._choices[:budget], self.num_heads)
+        return self._trees[budget]
 
     def observe(self, state, acceptance) -> None:
+        if self._last_tree is not None and self.tuner is not None:
+            self.profile.record(self._last_tree, follow_tokens(self._last_tree, acceptance.tokens))
+            self.tuner.observe_draft_seconds(self._draft_seconds)  # re-chooses the budget every few rounds
+            self._last_tree = None
         if self._last is not None and self.policy is not None:
             key, length = self._last
             self.policy.record(key, length, acceptance.num_accepted)
@@ -375,7 +413,9 @@ class MedusaProposer(Proposer):
         return {
             "draft_length_rates": self.policy.as_dict() if self.policy is not None else None,
             "num_heads": self.num_heads,
-            "tree_nodes": None if self.tree is None else len(self.tree[0]),
+            "tree_nodes": None if self.tree is None else len(self._budget_tree()[0]),
+            "tree_budget_auto": self.tuner is not None,
+            "acceptance_by_depth_rank": self.profile.as_dict() if self.tuner is not None else None,
             "draft_vocab_size": None if self.heads.draft_vocab is None else len(self.heads.draft_vocab),
             "trainable_parameters": self.meta.get("trainable_parameters"),
             "heads_top1_heldout": self.meta.get("metrics", {}).get("top1"),

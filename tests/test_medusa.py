@@ -142,6 +142,9 @@ CASES = [("medusa", v) for v in LOSSLESS] + [
         {"name": "medusa", "tree": "auto"},
         {"name": "medusa", "tree": TREE},
         {"name": "medusa", "num_heads": 2},
+        {"name": "medusa", "tree": TREE, "tree_budget": 3},
+        {"name": "medusa", "tree": "auto", "tree_budget": "auto"},
+        {"name": "medusa", "adaptive": False},
     )
     for verifier in ["greedy", *TREE_VERIFIERS]
 ]
@@ -202,3 +205,22 @@ def test_heads_for_another_target_are_refused(artifacts):
     directory = artifacts / "tiny-random-v320-h64-l2-s0" / "medusa"
     with pytest.raises(ValueError, match="retrain"):
         other.with_components({"name": "medusa", "path": str(directory)}, "greedy")
+
+
+def test_tree_budget_keeps_the_first_paths(base, tiny_model):
+    pipeline = base.with_components({"name": "medusa", "tree": TREE, "tree_budget": 3}, "tree")
+    state = decode_state(pipeline, random_prompts(1, seed=4)[0], SamplingConfig())
+    draft = pipeline.proposer.propose(state)
+    assert len(draft) == 3 and draft.parents == [-1, -1, 0]  # paths [0], [1], [0, 0]
+    with pytest.raises(ValueError, match="tree_budget"):
+        base.with_components({"name": "medusa", "tree": TREE, "tree_budget": 0}, "tree")
+
+
+def test_auto_budget_is_rechosen_from_measured_acceptance(base):
+    pipeline = base.with_components({"name": "medusa", "tree": TREE, "tree_budget": "auto"}, "tree")
+    tuner = pipeline.proposer.tuner
+    assert tuner.budget == len(TREE)  # explores the whole tree until measured
+    for prompt in random_prompts(4, seed=6):
+        pipeline.generate(prompt, 24)
+    assert pipeline.proposer.profile.rounds > tuner.every
+    assert tuner.expected_tokens_per_s is not None and 1 <= tuner.budget <= len(TREE)

@@ -24,14 +24,13 @@ from scipy.stats import chisquare
 from decoders.context import PipelineContext
 from decoders.cost import CostCurve
 from decoders.decoding import StopConditions, decode
-from decoders.draft import Draft
+from decoders.draft import Draft, follow_tokens
 from decoders.models import ModelConfig, tiny_draft_model, tiny_random_model
 from decoders.registry import build, proposer_registry
 from decoders.sampling import SamplingConfig, processed_probs, sample
 from decoders.session import ModelSession
 from decoders.tree_budget import AcceptanceProfile, BudgetTuner, best_budget
 from proposers.base import Proposer
-from proposers.draft_model import follow_tokens
 from proposers.ngram import tree_from_sequences
 from tests.conftest import random_prompts
 from verifiers.greedy import GreedyVerifier
