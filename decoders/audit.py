@@ -325,7 +325,7 @@ class PromptReuseSession(ModelSession):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         ModelSession.reset(self)
-        self._prompt: tuple[list[int], torch.Tensor, torch.Tensor | None] | None = None
+        self._prompt: tuple[list[int], dict, torch.Tensor, torch.Tensor | None] | None = None
 
     def reset(self) -> None:
         self._reset_pending = True  # decided by the next forward: reuse or a fresh prefill
@@ -334,15 +334,15 @@ class PromptReuseSession(ModelSession):
         if not self._reset_pending:
             return super().forward(tokens, *args, **kwargs)
         self._reset_pending = False
-        if self._prompt is not None and not args and not kwargs:
-            prompt, logits, hidden = self._prompt
-            if tokens == prompt and self.cached[: len(prompt)] == prompt:
+        if self._prompt is not None and not args:
+            prompt, options, logits, hidden = self._prompt
+            if tokens == prompt and options == kwargs and self.cached[: len(prompt)] == prompt:
                 self.truncate(len(prompt))
                 self.hidden = hidden
                 return logits
         ModelSession.reset(self)
         logits = super().forward(tokens, *args, **kwargs)
-        self._prompt = (list(tokens), logits, self.hidden)
+        self._prompt = (list(tokens), dict(kwargs), logits, self.hidden)
         return logits
 
 

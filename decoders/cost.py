@@ -58,16 +58,16 @@ def measure_cost_curve(
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (context_len,), generator=generator).tolist()
     session.forward(prefix)
-    seconds: dict[int, float] = {}
-    for n in sizes:
-        tokens = torch.randint(0, vocab, (n,), generator=generator).tolist()
-        samples = []
-        for _ in range(repeats + 1):  # the first pass of each size warms up
+    inputs = {n: torch.randint(0, vocab, (n,), generator=generator).tolist() for n in sizes}
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for repeat in range(repeats + 1):  # sizes interleaved, so drift in machine load hits all alike
+        for n in sizes:
             start = time.perf_counter()
-            session.forward(tokens)
-            samples.append(time.perf_counter() - start)
+            session.forward(inputs[n])
+            if repeat:  # the first sweep warms up
+                samples[n].append(time.perf_counter() - start)
             session.truncate(context_len)
-        seconds[n] = sorted(samples[1:])[len(samples[1:]) // 2]
+    seconds = {n: sorted(times)[len(times) // 2] for n, times in samples.items()}
     return CostCurve(seconds)
 
 
