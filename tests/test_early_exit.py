@@ -133,7 +133,7 @@ def test_kv_reuse_replaces_the_full_verification_pass(base, kv_reuse):
     session = pipeline.session
     full_passes = []
     forward = session.forward
-    session.forward = lambda tokens, parents=None: full_passes.append(len(tokens)) or forward(tokens, parents)
+    session.forward = lambda tokens, parents=None, **kw: full_passes.append(len(tokens)) or forward(tokens, parents, **kw)
     result = pipeline.generate(random_prompts(1, seed=5)[0], 20)
     rounds = result.stats.target_passes
     assert len(full_passes) == (1 if kv_reuse else 1 + rounds)
