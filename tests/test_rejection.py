@@ -517,8 +517,8 @@ def test_inf_target_logits_raise_naming_the_verification_pass(small_vocab, tmp_p
     forward = pipeline.session.forward
     calls = []
 
-    def overflowing(tokens, parents=None):
-        logits = forward(tokens, parents)
+    def overflowing(tokens, parents=None, **options):
+        logits = forward(tokens, parents, **options)
         calls.append(len(tokens))
         return logits if len(calls) == 1 else logits.index_fill(-1, torch.tensor([2]), math.inf)
 
