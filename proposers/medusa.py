@@ -20,25 +20,35 @@ each head's low-rank LoRA term (:class:`DraftProjection`);
 :meth:`MedusaHeads.forward`, used in training, runs the PEFT layers
 themselves. Both give the same logits.
 
-Drafts:
+Sequential heads (``drafter.sequential=true``, the default): head k also reads
+the embedding of the token before the one it predicts (the pending token for
+head 0, head k-1's token after that) and continues from head k-1's state, as in
+Hydra (Ankner et al. 2024); see :class:`MedusaHeads`. Head 0 then knows the
+token the target has just chosen, which Medusa-1's first head has to guess
+around. Drafting runs the heads one after another, batched over a tree level.
 
-* chain (``tree: null``): each head's top-1 token; when sampling, each head's
-  token is drawn from ``processed_probs`` of its logits and those rows are the
-  draft_probs. Head k's distribution does not depend on the tokens drawn for
-  earlier heads; rejection sampling only needs each token to come from the
-  stated row, so this stays lossless.
+Drafts are token trees filled level by level (a chain is the tree whose every
+node has one child); a node's token comes from the distribution its parent's
+path gives the node's head: for Medusa-1 heads that is the head's one
+distribution, for sequential heads the head given the drafted path.
+
+* chain (``tree: null``): each head's top-1 token; when sampling, each token is
+  drawn from ``processed_probs`` of its head's logits and those rows are the
+  draft_probs. Rejection sampling only needs each token to come from its
+  stated row given the tokens before it, so this stays lossless.
 * tree: Medusa "choices", a list of paths of top-k ranks per head, e.g.
   ``[[0], [1], [0, 0], [0, 1], [1, 0]]``; node ``[0, 1]`` is head 1's
   second-ranked token under head 0's top token. Paths are ordered so the
   all-0 path is the principal path (what chain verifiers keep). ``"auto"``
   takes the tree stored with the artifact, built from the heads' measured
-  per-rank accuracies. When sampling, each node's token is drawn independently
-  from its head's distribution (siblings are i.i.d. draws).
+  per-rank accuracies. When sampling, siblings are i.i.d. draws from their
+  shared distribution.
 
 Artifact layout (written by ``python -m train drafter=medusa``)::
 
     medusa.json         architecture, target key, training summary, default tree
-    heads.safetensors   the residual blocks and the draft vocabulary (token ids)
+    heads.safetensors   the residual blocks, input mixers (sequential heads) and
+                        the draft vocabulary (token ids)
     adapter/            PEFT LoRA adapter of the heads' lm projections
 """
 
@@ -88,9 +98,28 @@ class MedusaHeads(nn.Module):
     The K projections are plain ``nn.Linear`` modules sharing one frozen weight:
     the target's lm_head itself (whole vocabulary, not copied) or its rows for
     ``draft_vocab``. PEFT injects a LoRA adapter into each.
+
+    With ``embeddings`` (the target's input embedding, frozen and not copied) the
+    heads are **sequential** (Hydra, Ankner et al. 2024): head k also reads the
+    embedding of the token just before the one it predicts, and starts from head
+    k-1's state instead of ``h``::
+
+        state_-1 = h,   y_0 = the pending token,   y_k = head k-1's token (k >= 1)
+        state_k  = block_k(W_in_k [state_k-1 ; embed(y_k)])       W_in_k trained in full
+        logits_k = lm_k(state_k)
+
+    so the first head knows the pending token and each later head knows the draft
+    it extends. ``W_in_k`` starts as [I | 0], so a fresh sequential head equals a
+    fresh Medusa head.
     """
 
-    def __init__(self, lm_head: nn.Linear, num_heads: int, draft_vocab: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        lm_head: nn.Linear,
+        num_heads: int,
+        draft_vocab: torch.Tensor | None = None,
+        embeddings: nn.Embedding | None = None,
+    ) -> None:
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"Medusa needs at least one head, got num_heads={num_heads}")
@@ -101,6 +130,11 @@ class MedusaHeads(nn.Module):
         base = _vocab_projection(lm_head, draft_vocab)
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
         self.lm_heads = nn.ModuleList(_shared(base) for _ in range(num_heads))
+        self.sequential = embeddings is not None
+        self._embeddings = (embeddings,)  # a tuple: the target's module, not a submodule of the heads
+        if self.sequential:
+            self.inputs = nn.ModuleList(_input_mixer(hidden_size) for _ in range(num_heads))
+            self.inputs.to(lm_head.weight)
         self.blocks.to(lm_head.weight)
         self._drafting: DraftProjection | None = None
 
@@ -112,18 +146,60 @@ class MedusaHeads(nn.Module):
     def device(self) -> torch.device:
         return self.blocks[0].linear.weight.device
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (..., hidden) -> logits (..., K, n) over the draft vocabulary, through the PEFT layers."""
-        return torch.stack([lm(block(hidden)) for block, lm in zip(self.blocks, self.lm_heads)], dim=-2)
+    def trained_modules(self) -> dict[str, nn.Module]:
+        """The parts trained in full and saved in heads.safetensors (LoRA aside)."""
+        return {"blocks": self.blocks, **({"inputs": self.inputs} if self.sequential else {})}
+
+    def state(self, k: int, previous: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """Head k's state: previous (..., hidden) is ``h`` for Medusa heads and for the
+        first sequential head, head k-1's state otherwise; tokens (...) the y_k above
+        (ignored by Medusa heads, whose states all read ``h``)."""
+        if not self.sequential:
+            return self.blocks[k](previous)
+        embedded = self._embeddings[0](tokens.clamp(min=0)).to(previous.dtype)  # (..., hidden)
+        return self.blocks[k](self.inputs[k](torch.cat([previous, embedded], dim=-1)))
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (..., hidden), tokens (..., K) the y_k (sequential heads; teacher-forced
+        in training) -> logits (..., K, n) over the draft vocabulary, through the PEFT layers."""
+        if self.sequential and tokens is None:
+            raise ValueError("sequential heads need the tokens y_0 .. y_K-1 they read")
+        logits, state = [], hidden
+        for k, lm in enumerate(self.lm_heads):
+            state = self.state(k, state if self.sequential else hidden, None if tokens is None else tokens[..., k])
+            logits.append(lm(state))
+        return torch.stack(logits, dim=-2)
 
     def fused_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (hidden,) -> logits (K, vocab): :meth:`forward`'s values from one matmul
-        for all heads, scattered to token ids; tokens outside the draft vocabulary get
-        the dtype's lowest value. Gathers the projections on first use: call it after training."""
+        """Medusa heads: hidden (hidden,) -> logits (K, vocab): :meth:`forward`'s values
+        from one matmul for all heads, scattered to token ids; tokens outside the draft
+        vocabulary get the dtype's lowest value."""
+        if self.sequential:
+            raise ValueError("sequential heads depend on the drafted tokens: draft them with step()")
+        residual = torch.stack([block(hidden) for block in self.blocks])  # (K, hidden)
+        return self.projection.logits(residual)
+
+    def step(self, k: int, previous: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequential heads, drafting: previous (B, hidden), tokens (B,) ->
+        (head k's states (B, hidden), its logits (B, vocab) scattered to token ids)."""
+        state = self.state(k, previous, tokens)
+        return state, self.projection.head_logits(k, state)
+
+    @property
+    def projection(self) -> DraftProjection:
+        """The lm projections gathered for drafting, on first use: use it after training."""
         if self._drafting is None:
             self._drafting = DraftProjection.gather(self)
-        residual = torch.stack([block(hidden) for block in self.blocks])  # (K, hidden)
-        return self._drafting.logits(residual)
+        return self._drafting
+
+
+def _input_mixer(hidden_size: int) -> nn.Linear:
+    """W_in of a sequential head: [state ; embedding] -> hidden, starting as [I | 0]."""
+    mixer = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+    with torch.no_grad():
+        mixer.weight.zero_()
+        mixer.weight[:, :hidden_size] = torch.eye(hidden_size)
+    return mixer
 
 
 @dataclass
@@ -163,15 +239,23 @@ class DraftProjection:
         )
 
     def logits(self, residual: torch.Tensor) -> torch.Tensor:
-        """residual (K, hidden) -> (K, vocab)."""
-        logits = residual @ self.weight.T  # (K, n)
-        if self.bias is not None:
-            logits = logits + self.bias
+        """residual (K, hidden), row k for head k -> (K, vocab)."""
         low_rank = torch.einsum("krh,kh->kr", self.lora_a, residual)  # (K, rank)
-        logits = logits + torch.einsum("knr,kr->kn", self.lora_b, low_rank)  # (K, n)
+        return self._full(self._base(residual) + torch.einsum("knr,kr->kn", self.lora_b, low_rank))
+
+    def head_logits(self, k: int, residual: torch.Tensor) -> torch.Tensor:
+        """residual (B, hidden), all rows for head k -> (B, vocab)."""
+        return self._full(self._base(residual) + (residual @ self.lora_a[k].T) @ self.lora_b[k].T)
+
+    def _base(self, residual: torch.Tensor) -> torch.Tensor:
+        logits = residual @ self.weight.T  # (B, n)
+        return logits if self.bias is None else logits + self.bias
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, n) over the draft vocabulary -> (B, vocab); the rest get the dtype's lowest value."""
         if self.draft_vocab is None:
             return logits
-        full = logits.new_full((len(residual), self.vocab_size), torch.finfo(logits.dtype).min)  # (K, vocab)
+        full = logits.new_full((len(logits), self.vocab_size), torch.finfo(logits.dtype).min)  # (B, vocab)
         full[:, self.draft_vocab] = logits
         return full
 
@@ -219,15 +303,20 @@ def save_artifact(peft_heads: nn.Module, directory: Path, meta: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     heads: MedusaHeads = peft_heads.get_base_model()
     peft_heads.save_pretrained(str(directory / ADAPTER_DIR))
-    tensors = {f"blocks.{name}": t.detach().contiguous() for name, t in heads.blocks.state_dict().items()}
+    tensors = {
+        f"{part}.{name}": t.detach().contiguous()
+        for part, module in heads.trained_modules().items()
+        for name, t in module.state_dict().items()
+    }
     if heads.draft_vocab is not None:
         tensors[VOCAB_KEY] = heads.draft_vocab.cpu().contiguous()
     save_file(tensors, str(directory / BLOCKS_FILE))
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
 
 
-def load_artifact(directory: Path, lm_head: nn.Linear) -> MedusaArtifact:
-    """Build heads over ``lm_head`` and load the blocks, draft vocabulary and adapter."""
+def load_artifact(directory: Path, lm_head: nn.Linear, embeddings: nn.Embedding | None = None) -> MedusaArtifact:
+    """Build heads over ``lm_head`` (and ``embeddings``, which sequential heads read)
+    and load the trained parts, draft vocabulary and adapter."""
     from peft import PeftModel
 
     meta = json.loads((directory / CONFIG_FILE).read_text())
@@ -238,10 +327,14 @@ def load_artifact(directory: Path, lm_head: nn.Linear) -> MedusaArtifact:
             f"hidden size {meta['hidden_size']}, but this target has {vocab_size} and {hidden_size}; "
             "retrain them for this target with `python -m train drafter=medusa`."
         )
+    sequential = bool(meta.get("sequential", False))
+    if sequential and embeddings is None:
+        raise ValueError(f"the heads in {directory} are sequential: load them with the target's input embeddings")
     tensors = load_file(str(directory / BLOCKS_FILE))
     draft_vocab = tensors.pop(VOCAB_KEY, None)
-    heads = MedusaHeads(lm_head, meta["num_heads"], draft_vocab)
-    heads.blocks.load_state_dict({name.removeprefix("blocks."): t for name, t in tensors.items()})
+    heads = MedusaHeads(lm_head, meta["num_heads"], draft_vocab, embeddings if sequential else None)
+    for part, module in heads.trained_modules().items():
+        module.load_state_dict({name.removeprefix(f"{part}."): t for name, t in tensors.items() if name.startswith(f"{part}.")})
     PeftModel.from_pretrained(heads, str(directory / ADAPTER_DIR))  # injects LoRA into `heads`
     heads.to(lm_head.weight.dtype).eval().requires_grad_(False)
     return MedusaArtifact(heads, meta)
@@ -299,6 +392,55 @@ def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int
 # ---------------------------------------------------------------- proposer
 
 
+class _HeadOutputs:
+    """The heads' distributions for one draft, computed as the tree grows.
+
+    ``children_logits(p)`` is the distribution of the children of node p (-1 =
+    the root, i.e. depth-0 nodes): for Medusa heads head depth(p)+1's logits from
+    ``h``, the same for every parent; for sequential heads the logits of that head
+    given p's path, computed by ``expand`` (batched over a level's parents).
+    """
+
+    def __init__(self, heads: MedusaHeads, state, num_heads: int) -> None:
+        self.heads = heads
+        self.hidden = state.last_hidden  # (hidden,)
+        self.pending = state.tokens[-1]
+        self.num_heads = num_heads
+        self.fused: torch.Tensor | None = None  # (K, vocab) Medusa heads
+        self.states: dict[int, torch.Tensor] = {}  # node -> head state its children's head reads
+        self.logits: dict[int, torch.Tensor] = {}  # node -> (vocab,) its children's distribution
+
+    def root(self) -> torch.Tensor:
+        if self.heads.sequential:
+            token = torch.tensor([self.pending], device=self.hidden.device)
+            states, logits = self.heads.step(0, self.hidden[None], token)
+            self.states[-1], self.logits[-1] = states[0], logits[0]
+        else:
+            self.fused = self.heads.fused_logits(self.hidden)[: self.num_heads]  # (K, vocab)
+            check_finite(self.fused, "Medusa heads")
+            self.logits[-1] = self.fused[0]
+        check_finite(self.logits[-1], "Medusa heads")
+        return self.logits[-1]
+
+    def children_logits(self, node: int) -> torch.Tensor:
+        return self.logits[node]  # root() and expand() have filled it
+
+    def expand(self, nodes: list[int], tokens: list[int], parents: list[int], depth: int) -> None:
+        """Compute the children's distributions of ``nodes`` (all at ``depth``)."""
+        if not nodes:
+            return
+        if not self.heads.sequential:
+            for node in nodes:
+                self.logits[node] = self.fused[depth + 1]
+            return
+        previous = torch.stack([self.states[parents[node]] for node in nodes])  # (B, hidden)
+        node_tokens = torch.tensor([tokens[node] for node in nodes], device=previous.device)  # (B,)
+        states, logits = self.heads.step(depth + 1, previous, node_tokens)
+        check_finite(logits, "Medusa heads")
+        for i, node in enumerate(nodes):
+            self.states[node], self.logits[node] = states[i], logits[i]
+
+
 @register_proposer("medusa")
 class MedusaProposer(Proposer):
     @dataclass
@@ -329,7 +471,9 @@ class MedusaProposer(Proposer):
                 f"no Medusa heads for target {context.target_key!r} at {directory}. Train them with "
                 f"`{train_command(context, config.path)}`."
             )
-        artifact = load_artifact(directory, context.target.get_output_embeddings())
+        artifact = load_artifact(
+            directory, context.target.get_output_embeddings(), context.target.get_input_embeddings()
+        )
         self.heads = artifact.heads
         self.meta = artifact.meta
         self.num_heads = config.num_heads or self.heads.num_heads
@@ -363,32 +507,47 @@ class MedusaProposer(Proposer):
         return draft
 
     def _propose(self, state) -> Draft:
-        logits = self.heads.fused_logits(state.last_hidden)[: self.num_heads]  # (K, vocab)
-        check_finite(logits, "Medusa heads")
         sampling = state.sampling
-        if self.tree is None:
-            draft_probs = None if sampling.greedy else processed_probs(logits, sampling)  # (K, vocab) float32
-            length = self.num_heads
-            if self.policy is not None:  # the cut depends on q only: sampling stays lossless
-                first = torch.softmax(logits[0].float(), -1) if draft_probs is None else draft_probs[0]
-                key = confidence_bucket(float(first.max()))
-                length = self.policy.choose(key, self.num_heads)
-                self._last = (key, length)
-                if length == 0:
-                    return Draft.empty()
-            if draft_probs is None:
-                return Draft.chain(logits[:length].argmax(-1).tolist())
-            draft_probs = draft_probs[:length]
-            return Draft.chain(sample(draft_probs, state.generator).tolist(), draft_probs)
-        depths, ranks, parents = self._budget_tree()
-        if sampling.greedy:
-            top_tokens = logits.topk(max(ranks) + 1, dim=-1).indices  # (K, max rank + 1)
-            draft = Draft(top_tokens[depths, ranks].tolist(), parents)
-        else:
-            draft_probs = processed_probs(logits, sampling)[depths]  # (n, vocab): each node's head
-            draft = Draft(sample(draft_probs, state.generator).tolist(), parents, draft_probs)
-        self._last_tree = draft
-        return draft
+        outputs = _HeadOutputs(self.heads, state, self.num_heads)
+        root = outputs.root()  # (vocab,) head 0's logits
+        if self.tree is not None:
+            draft = self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
+            self._last_tree = draft
+            return draft
+        length = self.num_heads
+        if self.policy is not None:  # the cut depends on q only: sampling stays lossless
+            first = torch.softmax(root.float(), -1) if sampling.greedy else processed_probs(root, sampling)
+            key = confidence_bucket(float(first.max()))
+            length = self.policy.choose(key, self.num_heads)
+            self._last = (key, length)
+            if length == 0:
+                return Draft.empty()
+        chain = list(range(length))
+        return self._draft_tree(outputs, chain, [0] * length, [d - 1 for d in chain], sampling, state.generator)
+
+    @staticmethod
+    def _draft_tree(outputs, depths, ranks, parents, sampling, generator) -> Draft:
+        """Fill the tree shape (nodes ordered by depth) level by level: a node's token
+        is its rank among, or (sampling) a draw from, the distribution its parent's
+        path gives the node's head; siblings share that distribution."""
+        tokens = [0] * len(depths)
+        probs: list[torch.Tensor] = [None] * len(depths)  # type: ignore[list-item]
+        has_children = {p for p in parents if p >= 0}
+        for depth in range(max(depths) + 1):
+            level = [i for i, d in enumerate(depths) if d == depth]
+            owners = list(dict.fromkeys(parents[i] for i in level))  # parents of this level, -1 = root
+            logits = torch.stack([outputs.children_logits(p) for p in owners])  # (P, vocab)
+            row = [owners.index(parents[i]) for i in level]
+            if sampling.greedy:
+                top = logits.topk(max(ranks[i] for i in level) + 1, dim=-1).indices  # (P, ranks)
+                for i, r in zip(level, row):
+                    tokens[i] = int(top[r, ranks[i]])
+            else:
+                level_probs = processed_probs(logits, sampling)[row]  # (len(level), vocab) float32
+                for i, token, p in zip(level, sample(level_probs, generator).tolist(), level_probs):
+                    tokens[i], probs[i] = token, p
+            outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
+        return Draft(tokens, parents, None if sampling.greedy else torch.stack(probs))
 
     def _budget_tree(self) -> tuple[list[int], list[int], list[int]]:
         """The tree of the first ``budget`` paths (closed under prefixes: a path never
@@ -413,6 +572,7 @@ class MedusaProposer(Proposer):
         return {
             "draft_length_rates": self.policy.as_dict() if self.policy is not None else None,
             "num_heads": self.num_heads,
+            "sequential_heads": self.heads.sequential,
             "tree_nodes": None if self.tree is None else len(self._budget_tree()[0]),
             "tree_budget_auto": self.tuner is not None,
             "acceptance_by_depth_rank": self.profile.as_dict() if self.tuner is not None else None,

@@ -23,10 +23,11 @@ from train.medusa import Config, build_heads
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["sequential", "medusa1"])
+def artifacts(request, tmp_path_factory):
+    """Heads trained for the tiny model: sequential (the default) and Medusa-1."""
     directory = tmp_path_factory.mktemp("medusa")
-    train_tiny_medusa(directory)
+    train_tiny_medusa(directory, (f"drafter.sequential={str(request.param).lower()}",))
     return directory
 
 
@@ -41,6 +42,25 @@ def decode_state(pipeline: Pipeline, prompt: list[int], sampling: SamplingConfig
     session = ModelSession(pipeline.model)
     first = int(session.forward(prompt)[-1].argmax())
     return DecodeState(prompt + [first], len(prompt), sampling, sampling.generator(), session)
+
+
+def reference_logits(heads, state: DecodeState, path: list[int]) -> torch.Tensor:
+    """(vocab,) what the head at depth len(path) gives after the drafted ``path``,
+    through the PEFT forward used in training (not the drafting code)."""
+    tokens = torch.tensor([state.tokens[-1], *path] + [0] * (heads.num_heads - len(path) - 1))
+    with torch.no_grad():
+        rows = heads(state.last_hidden, tokens)[len(path)]  # (n,) over the draft vocabulary
+    full = rows.new_full((heads.vocab_size,), torch.finfo(rows.dtype).min)
+    full[heads.draft_vocab] = rows
+    return full
+
+
+def ancestors(draft, node: int) -> list[int]:
+    """Tokens on the path from the root down to ``node``'s parent."""
+    path = []
+    while (node := draft.parents[node]) >= 0:
+        path.insert(0, draft.tokens[node])
+    return path
 
 
 def test_tree_paths_become_a_draft_tree_with_the_all_zero_path_first():
@@ -67,70 +87,91 @@ def test_best_tree_takes_the_likeliest_paths():
     assert len(best_tree(rank_accuracy, 100)) == 3 + 3 * 3
 
 
-def test_fused_logits_equal_the_peft_forward_over_the_draft_vocabulary(base):
+def test_drafts_follow_the_peft_forward_over_the_draft_vocabulary(base):
     heads = base.with_components("medusa", "greedy").proposer.heads
     assert heads.draft_vocab is not None and 40 < len(heads.draft_vocab) < 320
-    hidden = torch.randn(64, dtype=torch.float64)
-    logits = heads.fused_logits(hidden)  # (K, vocab)
-    torch.testing.assert_close(logits[:, heads.draft_vocab], heads(hidden))
+    if not heads.sequential:  # Medusa-1: all heads from one fused matmul
+        hidden = torch.randn(64, dtype=torch.float64)
+        torch.testing.assert_close(heads.fused_logits(hidden)[:, heads.draft_vocab], heads(hidden))
+    prompt = random_prompts(1, seed=1)[0]
+    proposer = base.with_components({"name": "medusa", "adaptive": False}, "greedy").proposer
+    state = decode_state(base, prompt, SamplingConfig())
+    draft = proposer.propose(state).tokens
+    assert len(draft) == heads.num_heads
+    assert draft == [int(reference_logits(heads, state, draft[:k]).argmax()) for k in range(len(draft))]
+
+    sampling = SamplingConfig(temperature=1.0)
+    proposer = base.with_components({"name": "medusa", "adaptive": False}, "rejection", sampling).proposer
+    state = decode_state(base, prompt, sampling)
+    draft = proposer.propose(state)
     outside = torch.ones(320, dtype=torch.bool)
     outside[heads.draft_vocab] = False
-    assert (logits[:, outside] == torch.finfo(logits.dtype).min).all()
-    sampling = SamplingConfig(temperature=1.0)
-    draft = base.with_components("medusa", "rejection", sampling).proposer.propose(
-        decode_state(base, random_prompts(1, seed=1)[0], sampling)
-    )
     assert set(draft.tokens) <= set(heads.draft_vocab.tolist())
     assert draft.draft_probs[:, outside].sum() == 0
+    for k in range(len(draft)):
+        expected = processed_probs(reference_logits(heads, state, draft.tokens[:k]), sampling)
+        torch.testing.assert_close(draft.draft_probs[k], expected)
 
 
-def test_save_load_round_trip_gives_identical_proposals(tmp_path):
+@pytest.mark.parametrize("sequential", [True, False])
+def test_save_load_round_trip_gives_identical_proposals(tmp_path, sequential):
     config = ModelConfig(name="tiny-random", dtype="float32")
     model, tokenizer = load_model(config)
     draft_vocab = torch.randperm(320)[:100].sort().values
     heads, peft_heads = build_heads(
-        model.get_output_embeddings(), Config(num_heads=3, lora_rank=4), draft_vocab
+        model.get_output_embeddings(),
+        Config(num_heads=3, lora_rank=4, sequential=sequential),
+        draft_vocab,
+        model.get_input_embeddings(),
     )
     with torch.no_grad():  # trained-looking values everywhere (LoRA's B starts at zero)
         for parameter in heads.parameters():
             if parameter.requires_grad:
                 parameter.normal_(0, 0.2)
     directory = tmp_path / "medusa"
-    meta = {"num_heads": 3, "hidden_size": 64, "vocab_size": 320, "tree": TREE}
+    meta = {"num_heads": 3, "hidden_size": 64, "vocab_size": 320, "tree": TREE, "sequential": sequential}
     save_artifact(peft_heads, directory, meta)
-    artifact = load_artifact(directory, model.get_output_embeddings())
+    artifact = load_artifact(directory, model.get_output_embeddings(), model.get_input_embeddings())
     assert torch.equal(artifact.heads.draft_vocab, draft_vocab) and artifact.meta == meta
+    assert artifact.heads.sequential == sequential
     loaded = artifact.heads
     pipeline = Pipeline(model, tokenizer, model_config=config, artifacts_dir=tmp_path)
-    proposer = pipeline.with_components({"name": "medusa", "path": str(directory)}, "greedy").proposer
+    spec = {"name": "medusa", "path": str(directory), "adaptive": False}
+    proposer = pipeline.with_components(spec, "greedy").proposer
     for prompt in random_prompts(4, seed=2):
         state = decode_state(pipeline, prompt, SamplingConfig())
+        tokens = torch.randint(320, (3,))
         with torch.no_grad():
-            expected = heads.fused_logits(state.last_hidden)  # (3, vocab)
-        assert torch.equal(loaded.fused_logits(state.last_hidden), expected)
-        assert proposer.propose(state).tokens == expected.argmax(-1).tolist()
+            assert torch.equal(loaded(state.last_hidden, tokens), heads(state.last_hidden, tokens))
+        chain: list[int] = []
+        for k in range(3):
+            chain.append(int(reference_logits(heads, state, chain).argmax()))
+        assert proposer.propose(state).tokens == chain
 
 
 def test_greedy_tree_holds_each_heads_top_k_tokens(base):
     proposer = base.with_components({"name": "medusa", "tree": TREE}, "greedy").proposer
     state = decode_state(base, random_prompts(1, seed=4)[0], SamplingConfig())
     draft = proposer.propose(state)
-    top = proposer.heads.fused_logits(state.last_hidden).topk(2, dim=-1).indices  # (K, 2)
     # nodes in order: [0], [1], [0,0], [0,1], [1,0], [0,0,0]
-    assert draft.tokens == [top[0, 0], top[0, 1], top[1, 0], top[1, 1], top[1, 0], top[2, 0]]
     assert draft.parents == [-1, -1, 0, 0, 1, 2]
-    assert draft.as_chain().tokens == [top[0, 0], top[1, 0], top[2, 0]]
+    ranks = [0, 1, 0, 1, 0, 0]
+    for node, rank in enumerate(ranks):
+        top = reference_logits(proposer.heads, state, ancestors(draft, node)).topk(2).indices
+        assert draft.tokens[node] == top[rank]
+    assert draft.as_chain().tokens == [draft.tokens[0], draft.tokens[2], draft.tokens[5]]
 
 
 def test_sampled_drafts_carry_each_heads_distribution(base):
     sampling = SamplingConfig(temperature=0.8, top_k=20)
     for tree in (None, TREE):
-        proposer = base.with_components({"name": "medusa", "tree": tree}, "rejection", sampling).proposer
+        spec = {"name": "medusa", "tree": tree, "adaptive": False}
+        proposer = base.with_components(spec, "rejection", sampling).proposer
         state = decode_state(base, random_prompts(1, seed=6)[0], sampling)
         draft = proposer.propose(state)
-        head_probs = processed_probs(proposer.heads.fused_logits(state.last_hidden), sampling)  # (K, vocab)
-        depths = draft.depths
-        torch.testing.assert_close(draft.draft_probs, head_probs[depths])
+        for node in range(len(draft)):
+            logits = reference_logits(proposer.heads, state, ancestors(draft, node))
+            torch.testing.assert_close(draft.draft_probs[node], processed_probs(logits, sampling))
         assert all(draft.draft_probs[i, token] > 0 for i, token in enumerate(draft.tokens))
 
 
@@ -168,7 +209,7 @@ def test_rejection_sampling_keeps_the_targets_distribution(base):
     one) follows the target's distribution exactly: chi-square on (t1, t2) pairs."""
     sampling = SamplingConfig(temperature=1.0, top_k=3)
     pipeline = base.with_components("medusa", "rejection", sampling)
-    prompt = random_prompts(1, seed=9)[0]
+    prompt = base.encode("Explain how")  # a chat prompt like the training ones: drafts get accepted
     samples, accepted = Counter(), 0
     for seed in range(400):
         result = pipeline.generate(prompt, 3, seed=seed)  # round 1 drafts exactly one token

@@ -23,7 +23,7 @@ from train import prompts as builtin
 from train.data import DataConfig, read_prompt_file, self_distilled, split_heldout
 from train.job import drafter_module, run
 from train.loop import FitConfig, RunLogger, fit
-from train.medusa import IGNORE, Config, build_heads, evaluate, training_rows, vocab_index
+from train.medusa import IGNORE, Config, build_heads, evaluate, head_inputs, training_rows, vocab_index
 
 TINY_RECIPE = [
     "model=tiny-random",
@@ -192,14 +192,16 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
     sequences = self_distilled(pipeline, data_cfg, tmp_path / pipeline.context.target_key / "data")
     _, heldout = split_heldout(sequences, data_cfg.heldout)
     drafter_cfg = Config(num_heads=4, lora_rank=4)
-    trained = load_artifact(artifact, model.get_output_embeddings()).heads
-    fresh, _ = build_heads(model.get_output_embeddings(), drafter_cfg, trained.draft_vocab)
+    embeddings = model.get_input_embeddings()
+    trained = load_artifact(artifact, model.get_output_embeddings(), embeddings).heads
+    assert trained.sequential  # the default
+    fresh, _ = build_heads(model.get_output_embeddings(), drafter_cfg, trained.draft_vocab, embeddings)
     rows = training_rows(heldout, 4)
     targets = vocab_index(rows["labels"][:, 0], trained.draft_vocab, 320)
 
     def head0_loss(heads):
         with torch.no_grad():
-            logits = heads(rows["hidden"].to(heads.dtype))[:, 0]
+            logits = heads(rows["hidden"].to(heads.dtype), head_inputs(rows))[:, 0]
         return float(torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE))
 
     assert head0_loss(trained) < 0.5 * head0_loss(fresh)

@@ -48,6 +48,7 @@ class Config(FitConfig):
     """``drafter=medusa`` options: architecture, adapter, loss, tree, and the FitConfig fields."""
 
     num_heads: int = 4
+    sequential: bool = True  # heads also read the previous token and head (Hydra); false = Medusa-1 heads
     draft_vocab_size: int = 8192  # most frequent training tokens the heads score; 0 = all
     lora_rank: int = 16
     lora_alpha: float = 32.0
@@ -62,19 +63,20 @@ def train(job: TrainJob) -> Path:
     cfg: Config = job.drafter_config(Config)
     training, heldout = split_heldout(job.sequences(), job.data_config.heldout)
     lm_head = job.pipeline.model.get_output_embeddings()
+    embeddings = job.pipeline.model.get_input_embeddings()
     if job.eval_only:  # measure the existing artifact again (e.g. on new eval prompts)
         if not (job.output_dir / CONFIG_FILE).exists():
             raise FileNotFoundError(
                 f"train.eval.only=true, but there is no Medusa artifact at {job.output_dir}"
             )
-        artifact = load_artifact(job.output_dir, lm_head)
+        artifact = load_artifact(job.output_dir, lm_head, embeddings)
         metrics = measure(job, artifact.heads, heldout, cfg)
         meta = {**artifact.meta, "metrics": metrics.pop("heldout"), "eval_metrics": metrics}
         (job.output_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
         return job.output_dir
     vocab_size, hidden_size = lm_head.weight.shape
     draft_vocab = draft_vocabulary(training, vocab_size, cfg.draft_vocab_size)
-    heads, peft_heads = build_heads(lm_head, cfg, draft_vocab)
+    heads, peft_heads = build_heads(lm_head, cfg, draft_vocab, embeddings)
     rows = training_rows(training, cfg.num_heads)
     rows["targets"] = vocab_index(rows["labels"], draft_vocab, vocab_size)
     print(f"[train] medusa: {len(rows['hidden'])} training positions from {len(training)} sequences "
@@ -84,7 +86,9 @@ def train(job: TrainJob) -> Path:
     weights = torch.tensor([cfg.head_decay**k for k in range(cfg.num_heads)], device=heads.device)  # (K,)
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = peft_heads(batch["hidden"].to(heads.device, heads.dtype))  # (B, K, n)
+        logits = peft_heads(
+            batch["hidden"].to(heads.device, heads.dtype), head_inputs(batch).to(heads.device)
+        )  # (B, K, n)
         targets = batch["targets"].to(heads.device)  # (B, K) row in the draft vocabulary, or IGNORE
         losses = nn.functional.cross_entropy(
             logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none"
@@ -106,6 +110,7 @@ def train(job: TrainJob) -> Path:
         "drafter": "medusa",
         "target": job.pipeline.context.target_key,
         "num_heads": cfg.num_heads,
+        "sequential": cfg.sequential,
         "hidden_size": hidden_size,
         "vocab_size": vocab_size,
         "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
@@ -146,16 +151,24 @@ def measure(job: TrainJob, heads: MedusaHeads, heldout: list[Sequence], cfg: Con
 
 
 def build_heads(
-    lm_head: nn.Linear, cfg: Config, draft_vocab: torch.Tensor | None = None
+    lm_head: nn.Linear,
+    cfg: Config,
+    draft_vocab: torch.Tensor | None = None,
+    embeddings: nn.Embedding | None = None,
 ) -> tuple[MedusaHeads, nn.Module]:
-    """Fresh float32 heads over ``lm_head`` with LoRA on their projections;
-    returns (heads, the PeftModel wrapping them)."""
+    """Fresh float32 heads over ``lm_head`` (sequential ones also over the target's
+    input ``embeddings``) with LoRA on their projections; returns (heads, the
+    PeftModel wrapping them)."""
     from peft import LoraConfig, get_peft_model
 
+    if cfg.sequential and embeddings is None:
+        raise ValueError("drafter.sequential=true needs the target's input embeddings")
     if lm_head.weight.dtype != torch.float32:  # train in float32; the target keeps its weights
         lm_head = _frozen_float32_copy(lm_head)
+    if cfg.sequential and embeddings.weight.dtype != torch.float32:
+        embeddings = nn.Embedding.from_pretrained(embeddings.weight.detach().float(), freeze=True)
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are random
-    heads = MedusaHeads(lm_head, cfg.num_heads, draft_vocab)
+    heads = MedusaHeads(lm_head, cfg.num_heads, draft_vocab, embeddings if cfg.sequential else None)
     lora = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
@@ -164,7 +177,8 @@ def build_heads(
         bias="none",
     )
     peft_heads = get_peft_model(heads, lora)
-    heads.blocks.requires_grad_(True)  # the residual blocks are trained in full
+    for module in heads.trained_modules().values():  # residual blocks (and input mixers) in full
+        module.requires_grad_(True)
     return heads, peft_heads
 
 
@@ -205,9 +219,9 @@ def coverage(draft_vocab: torch.Tensor | None, sequences: list[Sequence]) -> flo
 
 
 def training_rows(sequences: list[Sequence], num_heads: int) -> dict[str, torch.Tensor]:
-    """hidden (N, hidden) float16 and labels (N, K) token ids: one row per response
-    position that has at least head 0's label."""
-    hidden_parts, label_parts = [], []
+    """hidden (N, hidden) float16, pending (N,) the token that hidden predicted, and
+    labels (N, K) token ids: one row per response position that has at least head 0's label."""
+    hidden_parts, label_parts, pending_parts = [], [], []
     for sequence in sequences:
         n = len(sequence.response)
         if n < 2 or sequence.hidden is None:
@@ -217,9 +231,16 @@ def training_rows(sequences: list[Sequence], num_heads: int) -> dict[str, torch.
         offsets = 1 + torch.arange(num_heads)  # (K,) head k's label is k + 1 tokens after row j's own
         label_parts.append(response[rows[:, None] + offsets[None, :]])  # (n - 1, K)
         hidden_parts.append(sequence.hidden[: n - 1])
+        pending_parts.append(response[rows])
     if not hidden_parts:
         raise ValueError("no training sequence has two or more response tokens; generate longer responses")
-    return {"hidden": torch.cat(hidden_parts), "labels": torch.cat(label_parts)}
+    return {"hidden": torch.cat(hidden_parts), "labels": torch.cat(label_parts), "pending": torch.cat(pending_parts)}
+
+
+def head_inputs(rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N, K) the tokens y_k sequential heads read, teacher-forced: the pending token,
+    then each earlier head's label (IGNORE past the response, where the labels are too)."""
+    return torch.cat([rows["pending"][:, None], rows["labels"][:, :-1]], dim=1)
 
 
 @torch.no_grad()
@@ -228,6 +249,7 @@ def evaluate(heads: MedusaHeads, sequences: list[Sequence], cfg: Config) -> dict
     rank-r token is right), chain_tau (tokens per pass of a greedy chain), and the
     draft vocabulary's coverage of the response tokens."""
     rows = training_rows(sequences, cfg.num_heads)
+    all_inputs = head_inputs(rows)  # (N, K)
     rank_hits = torch.zeros(cfg.num_heads, cfg.top_ranks)  # (K, ranks)
     label_counts = torch.zeros(cfg.num_heads)  # (K,)
     accepted = 0.0
@@ -236,9 +258,10 @@ def evaluate(heads: MedusaHeads, sequences: list[Sequence], cfg: Config) -> dict
             heads.device, heads.dtype
         )  # (B, hidden)
         labels = rows["labels"][start : start + cfg.eval_batch_size]  # (B, K)
+        inputs = all_inputs[start : start + cfg.eval_batch_size].to(heads.device)  # (B, K)
         ranked = (
-            heads(hidden).topk(cfg.top_ranks, dim=-1).indices.cpu()
-        )  # (B, K, ranks) rows of the draft vocab
+            heads(hidden, inputs).topk(cfg.top_ranks, dim=-1).indices.cpu()
+        )  # (B, K, ranks) rows of the draft vocab; sequential heads read the right earlier tokens
         if heads.draft_vocab is not None:
             ranked = heads.draft_vocab.cpu()[ranked]  # token ids
         hits = ranked == labels[..., None]  # (B, K, ranks); IGNORE never matches
