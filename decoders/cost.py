@@ -18,7 +18,7 @@ import torch
 
 from decoders.session import ModelSession
 
-DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)  # 9 and 17 catch the steps of padded_rows
 
 
 @dataclass

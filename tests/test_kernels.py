@@ -8,7 +8,7 @@ from decoders.models import ModelConfig, load_model
 from decoders.session import ModelSession
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 48, 49, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9, 16, 17, 41, 48, 49, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_routed_linear_computes_the_same_product(rows, bias):
     torch.manual_seed(rows)
@@ -19,6 +19,13 @@ def test_routed_linear_computes_the_same_product(rows, bias):
     got = layer(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_widths():
+    from decoders.kernels import padded_rows
+
+    assert [padded_rows(n) for n in range(1, 11)] == [1, 2, 4, 4, 5, 8, 8, 8, 16, 16]
+    assert padded_rows(17) == 24 and padded_rows(48) == 48
 
 
 def test_routing_keeps_the_model_outputs():
