@@ -170,20 +170,36 @@ class MedusaHeads(nn.Module):
             logits.append(lm(state))
         return torch.stack(logits, dim=-2)
 
-    def fused_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def fused_logits(self, hidden: torch.Tensor, full: bool = True) -> torch.Tensor:
         """Medusa heads: hidden (hidden,) -> logits (K, vocab): :meth:`forward`'s values
         from one matmul for all heads, scattered to token ids; tokens outside the draft
-        vocabulary get the dtype's lowest value."""
+        vocabulary get the dtype's lowest value. ``full=False``: (K, n), the draft
+        vocabulary's rows only."""
         if self.sequential:
             raise ValueError("sequential heads depend on the drafted tokens: draft them with step()")
         residual = torch.stack([block(hidden) for block in self.blocks])  # (K, hidden)
-        return self.projection.logits(residual)
+        return self.projection.logits(residual, full)
 
-    def step(self, k: int, previous: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, k: int, previous: torch.Tensor, tokens: torch.Tensor, full: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequential heads, drafting: previous (B, hidden), tokens (B,) ->
-        (head k's states (B, hidden), its logits (B, vocab) scattered to token ids)."""
+        (head k's states (B, hidden), its logits (B, vocab) scattered to token ids,
+        or (B, n) over the draft vocabulary with ``full=False``)."""
         state = self.state(k, previous, tokens)
-        return state, self.projection.head_logits(k, state)
+        return state, self.projection.head_logits(k, state, full)
+
+    def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the draft vocabulary -> token ids."""
+        return rows if self.draft_vocab is None else self.draft_vocab[rows]
+
+    def full_rows(self, probs: torch.Tensor) -> torch.Tensor:
+        """(B, n) probabilities over the draft vocabulary -> (B, vocab), 0 elsewhere."""
+        if self.draft_vocab is None:
+            return probs
+        full = probs.new_zeros((len(probs), self.vocab_size))
+        full[:, self.draft_vocab] = probs
+        return full
 
     @property
     def projection(self) -> DraftProjection:
@@ -238,14 +254,17 @@ class DraftProjection:
             heads.vocab_size,
         )
 
-    def logits(self, residual: torch.Tensor) -> torch.Tensor:
-        """residual (K, hidden), row k for head k -> (K, vocab)."""
+    def logits(self, residual: torch.Tensor, full: bool = True) -> torch.Tensor:
+        """residual (K, hidden), row k for head k -> (K, vocab), or (K, n) over the
+        draft vocabulary with ``full=False``."""
         low_rank = torch.einsum("krh,kh->kr", self.lora_a, residual)  # (K, rank)
-        return self._full(self._base(residual) + torch.einsum("knr,kr->kn", self.lora_b, low_rank))
+        logits = self._base(residual) + torch.einsum("knr,kr->kn", self.lora_b, low_rank)
+        return self._full(logits) if full else logits
 
-    def head_logits(self, k: int, residual: torch.Tensor) -> torch.Tensor:
-        """residual (B, hidden), all rows for head k -> (B, vocab)."""
-        return self._full(self._base(residual) + (residual @ self.lora_a[k].T) @ self.lora_b[k].T)
+    def head_logits(self, k: int, residual: torch.Tensor, full: bool = True) -> torch.Tensor:
+        """residual (B, hidden), all rows for head k -> (B, vocab), or (B, n) with ``full=False``."""
+        logits = self._base(residual) + (residual @ self.lora_a[k].T) @ self.lora_b[k].T
+        return self._full(logits) if full else logits
 
     def _base(self, residual: torch.Tensor) -> torch.Tensor:
         logits = residual @ self.weight.T  # (B, n)
@@ -393,7 +412,8 @@ def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int
 
 
 class _HeadOutputs:
-    """The heads' distributions for one draft, computed as the tree grows.
+    """The heads' logits for one draft, over the draft vocabulary's rows (token ids
+    only for the chosen tokens), computed as the tree grows.
 
     ``children_logits(p)`` is the distribution of the children of node p (-1 =
     the root, i.e. depth-0 nodes): for Medusa heads head depth(p)+1's logits from
@@ -406,21 +426,27 @@ class _HeadOutputs:
         self.hidden = state.last_hidden  # (hidden,)
         self.pending = state.tokens[-1]
         self.num_heads = num_heads
-        self.fused: torch.Tensor | None = None  # (K, vocab) Medusa heads
+        self.fused: torch.Tensor | None = None  # (K, n) Medusa heads
         self.states: dict[int, torch.Tensor] = {}  # node -> head state its children's head reads
-        self.logits: dict[int, torch.Tensor] = {}  # node -> (vocab,) its children's distribution
+        self.logits: dict[int, torch.Tensor] = {}  # node -> (n,) its children's logits
 
     def root(self) -> torch.Tensor:
         if self.heads.sequential:
             token = torch.tensor([self.pending], device=self.hidden.device)
-            states, logits = self.heads.step(0, self.hidden[None], token)
+            states, logits = self.heads.step(0, self.hidden[None], token, full=False)
             self.states[-1], self.logits[-1] = states[0], logits[0]
         else:
-            self.fused = self.heads.fused_logits(self.hidden)[: self.num_heads]  # (K, vocab)
+            self.fused = self.heads.fused_logits(self.hidden, full=False)[: self.num_heads]  # (K, n)
             check_finite(self.fused, "Medusa heads")
             self.logits[-1] = self.fused[0]
         check_finite(self.logits[-1], "Medusa heads")
         return self.logits[-1]
+
+    def token_ids(self, rows: list[int]) -> list[int]:
+        if self.heads.draft_vocab is None:
+            return rows
+        vocab = self.heads.draft_vocab
+        return vocab[torch.tensor(rows, dtype=torch.long, device=vocab.device)].tolist()
 
     def children_logits(self, node: int) -> torch.Tensor:
         return self.logits[node]  # root() and expand() have filled it
@@ -434,8 +460,9 @@ class _HeadOutputs:
                 self.logits[node] = self.fused[depth + 1]
             return
         previous = torch.stack([self.states[parents[node]] for node in nodes])  # (B, hidden)
-        node_tokens = torch.tensor([tokens[node] for node in nodes], device=previous.device)  # (B,)
-        states, logits = self.heads.step(depth + 1, previous, node_tokens)
+        rows = torch.tensor([tokens[node] for node in nodes], device=previous.device)  # (B,) draft-vocab rows
+        node_tokens = self.heads.token_ids(rows)  # (B,) token ids, what the heads embed
+        states, logits = self.heads.step(depth + 1, previous, node_tokens, full=False)
         check_finite(logits, "Medusa heads")
         for i, node in enumerate(nodes):
             self.states[node], self.logits[node] = states[i], logits[i]
@@ -509,7 +536,7 @@ class MedusaProposer(Proposer):
     def _propose(self, state) -> Draft:
         sampling = state.sampling
         outputs = _HeadOutputs(self.heads, state, self.num_heads)
-        root = outputs.root()  # (vocab,) head 0's logits
+        root = outputs.root()  # (n,) head 0's logits over the draft vocabulary
         if self.tree is not None:
             draft = self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
             self._last_tree = draft
@@ -538,7 +565,7 @@ class MedusaProposer(Proposer):
             owners = list(dict.fromkeys(parents[i] for i in level))  # parents of this level, -1 = root
             logits = torch.stack([outputs.children_logits(p) for p in owners])  # (P, vocab)
             row = [owners.index(parents[i]) for i in level]
-            if sampling.greedy:
+            if sampling.greedy:  # tokens hold rows of the draft vocabulary until the end
                 top = logits.topk(max(ranks[i] for i in level) + 1, dim=-1).indices  # (P, ranks)
                 for i, r in zip(level, row):
                     tokens[i] = int(top[r, ranks[i]])
@@ -547,7 +574,8 @@ class MedusaProposer(Proposer):
                 for i, token, p in zip(level, sample(level_probs, generator).tolist(), level_probs):
                     tokens[i], probs[i] = token, p
             outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
-        return Draft(tokens, parents, None if sampling.greedy else torch.stack(probs))
+        draft_probs = None if sampling.greedy else outputs.heads.full_rows(torch.stack(probs))  # (nodes, vocab)
+        return Draft(outputs.token_ids(tokens), parents, draft_probs)
 
     def _budget_tree(self) -> tuple[list[int], list[int], list[int]]:
         """The tree of the first ``budget`` paths (closed under prefixes: a path never
