@@ -166,7 +166,9 @@ class MedusaHeads(nn.Module):
             raise ValueError("sequential heads need the tokens y_0 .. y_K-1 they read")
         logits, state = [], hidden
         for k, lm in enumerate(self.lm_heads):
-            state = self.state(k, state if self.sequential else hidden, None if tokens is None else tokens[..., k])
+            state = self.state(
+                k, state if self.sequential else hidden, None if tokens is None else tokens[..., k]
+            )
             logits.append(lm(state))
         return torch.stack(logits, dim=-2)
 
@@ -333,7 +335,9 @@ def save_artifact(peft_heads: nn.Module, directory: Path, meta: dict) -> None:
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
 
 
-def load_artifact(directory: Path, lm_head: nn.Linear, embeddings: nn.Embedding | None = None) -> MedusaArtifact:
+def load_artifact(
+    directory: Path, lm_head: nn.Linear, embeddings: nn.Embedding | None = None
+) -> MedusaArtifact:
     """Build heads over ``lm_head`` (and ``embeddings``, which sequential heads read)
     and load the trained parts, draft vocabulary and adapter."""
     from peft import PeftModel
@@ -348,12 +352,16 @@ def load_artifact(directory: Path, lm_head: nn.Linear, embeddings: nn.Embedding 
         )
     sequential = bool(meta.get("sequential", False))
     if sequential and embeddings is None:
-        raise ValueError(f"the heads in {directory} are sequential: load them with the target's input embeddings")
+        raise ValueError(
+            f"the heads in {directory} are sequential: load them with the target's input embeddings"
+        )
     tensors = load_file(str(directory / BLOCKS_FILE))
     draft_vocab = tensors.pop(VOCAB_KEY, None)
     heads = MedusaHeads(lm_head, meta["num_heads"], draft_vocab, embeddings if sequential else None)
     for part, module in heads.trained_modules().items():
-        module.load_state_dict({name.removeprefix(f"{part}."): t for name, t in tensors.items() if name.startswith(f"{part}.")})
+        module.load_state_dict(
+            {name.removeprefix(f"{part}."): t for name, t in tensors.items() if name.startswith(f"{part}.")}
+        )
     PeftModel.from_pretrained(heads, str(directory / ADAPTER_DIR))  # injects LoRA into `heads`
     heads.to(lm_head.weight.dtype).eval().requires_grad_(False)
     return MedusaArtifact(heads, meta)
@@ -550,7 +558,9 @@ class MedusaProposer(Proposer):
             if length == 0:
                 return Draft.empty()
         chain = list(range(length))
-        return self._draft_tree(outputs, chain, [0] * length, [d - 1 for d in chain], sampling, state.generator)
+        return self._draft_tree(
+            outputs, chain, [0] * length, [d - 1 for d in chain], sampling, state.generator
+        )
 
     @staticmethod
     def _draft_tree(outputs, depths, ranks, parents, sampling, generator) -> Draft:
@@ -574,7 +584,9 @@ class MedusaProposer(Proposer):
                 for i, token, p in zip(level, sample(level_probs, generator).tolist(), level_probs):
                     tokens[i], probs[i] = token, p
             outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
-        draft_probs = None if sampling.greedy else outputs.heads.full_rows(torch.stack(probs))  # (nodes, vocab)
+        draft_probs = (
+            None if sampling.greedy else outputs.heads.full_rows(torch.stack(probs))
+        )  # (nodes, vocab)
         return Draft(outputs.token_ids(tokens), parents, draft_probs)
 
     def _budget_tree(self) -> tuple[list[int], list[int], list[int]]:

@@ -144,7 +144,7 @@ def test_save_load_round_trip_gives_identical_proposals(tmp_path, sequential):
         with torch.no_grad():
             assert torch.equal(loaded(state.last_hidden, tokens), heads(state.last_hidden, tokens))
         chain: list[int] = []
-        for k in range(3):
+        for _ in range(3):
             chain.append(int(reference_logits(heads, state, chain).argmax()))
         assert proposer.propose(state).tokens == chain
 

@@ -234,7 +234,11 @@ def training_rows(sequences: list[Sequence], num_heads: int) -> dict[str, torch.
         pending_parts.append(response[rows])
     if not hidden_parts:
         raise ValueError("no training sequence has two or more response tokens; generate longer responses")
-    return {"hidden": torch.cat(hidden_parts), "labels": torch.cat(label_parts), "pending": torch.cat(pending_parts)}
+    return {
+        "hidden": torch.cat(hidden_parts),
+        "labels": torch.cat(label_parts),
+        "pending": torch.cat(pending_parts),
+    }
 
 
 def head_inputs(rows: dict[str, torch.Tensor]) -> torch.Tensor:
