@@ -445,16 +445,12 @@ class _HeadOutputs:
             self.states[-1], self.logits[-1] = states[0], logits[0]
         else:
             self.fused = self.heads.fused_logits(self.hidden, full=False)[: self.num_heads]  # (K, n)
-            check_finite(self.fused, "Medusa heads")
             self.logits[-1] = self.fused[0]
-        check_finite(self.logits[-1], "Medusa heads")
+        check_finite(self.fused if self.fused is not None else self.logits[-1], "Medusa heads")
         return self.logits[-1]
 
     def token_ids(self, rows: list[int]) -> list[int]:
-        if self.heads.draft_vocab is None:
-            return rows
-        vocab = self.heads.draft_vocab
-        return vocab[torch.tensor(rows, dtype=torch.long, device=vocab.device)].tolist()
+        return self.heads.token_ids(torch.tensor(rows, dtype=torch.long, device=self.hidden.device)).tolist()
 
     def children_logits(self, node: int) -> torch.Tensor:
         return self.logits[node]  # root() and expand() have filled it
