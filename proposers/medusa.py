@@ -182,14 +182,11 @@ class MedusaHeads(nn.Module):
         residual = torch.stack([block(hidden) for block in self.blocks])  # (K, hidden)
         return self.projection.logits(residual, full)
 
-    def step(
-        self, k: int, previous: torch.Tensor, tokens: torch.Tensor, full: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequential heads, drafting: previous (B, hidden), tokens (B,) ->
-        (head k's states (B, hidden), its logits (B, vocab) scattered to token ids,
-        or (B, n) over the draft vocabulary with ``full=False``)."""
+    def step(self, k: int, previous: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequential heads, drafting: previous (B, hidden), tokens (B,) -> (head k's
+        states (B, hidden), its logits (B, n) over the draft vocabulary's rows)."""
         state = self.state(k, previous, tokens)
-        return state, self.projection.head_logits(k, state, full)
+        return state, self.projection.head_logits(k, state)
 
     def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows of the draft vocabulary -> token ids."""
@@ -263,10 +260,9 @@ class DraftProjection:
         logits = self._base(residual) + torch.einsum("knr,kr->kn", self.lora_b, low_rank)
         return self._full(logits) if full else logits
 
-    def head_logits(self, k: int, residual: torch.Tensor, full: bool = True) -> torch.Tensor:
-        """residual (B, hidden), all rows for head k -> (B, vocab), or (B, n) with ``full=False``."""
-        logits = self._base(residual) + (residual @ self.lora_a[k].T) @ self.lora_b[k].T
-        return self._full(logits) if full else logits
+    def head_logits(self, k: int, residual: torch.Tensor) -> torch.Tensor:
+        """residual (B, hidden), all rows for head k -> (B, n) over the draft vocabulary."""
+        return self._base(residual) + (residual @ self.lora_a[k].T) @ self.lora_b[k].T
 
     def _base(self, residual: torch.Tensor) -> torch.Tensor:
         logits = residual @ self.weight.T  # (B, n)
@@ -423,7 +419,7 @@ class _HeadOutputs:
     """The heads' logits for one draft, over the draft vocabulary's rows (token ids
     only for the chosen tokens), computed as the tree grows.
 
-    ``children_logits(p)`` is the distribution of the children of node p (-1 =
+    ``logits[p]`` holds the logits of the children of node p (-1 =
     the root, i.e. depth-0 nodes): for Medusa heads head depth(p)+1's logits from
     ``h``, the same for every parent; for sequential heads the logits of that head
     given p's path, computed by ``expand`` (batched over a level's parents).
@@ -441,7 +437,7 @@ class _HeadOutputs:
     def root(self) -> torch.Tensor:
         if self.heads.sequential:
             token = torch.tensor([self.pending], device=self.hidden.device)
-            states, logits = self.heads.step(0, self.hidden[None], token, full=False)
+            states, logits = self.heads.step(0, self.hidden[None], token)
             self.states[-1], self.logits[-1] = states[0], logits[0]
         else:
             self.fused = self.heads.fused_logits(self.hidden, full=False)[: self.num_heads]  # (K, n)
@@ -451,9 +447,6 @@ class _HeadOutputs:
 
     def token_ids(self, rows: list[int]) -> list[int]:
         return self.heads.token_ids(torch.tensor(rows, dtype=torch.long, device=self.hidden.device)).tolist()
-
-    def children_logits(self, node: int) -> torch.Tensor:
-        return self.logits[node]  # root() and expand() have filled it
 
     def expand(self, nodes: list[int], tokens: list[int], parents: list[int], depth: int) -> None:
         """Compute the children's distributions of ``nodes`` (all at ``depth``)."""
@@ -466,7 +459,7 @@ class _HeadOutputs:
         previous = torch.stack([self.states[parents[node]] for node in nodes])  # (B, hidden)
         rows = torch.tensor([tokens[node] for node in nodes], device=previous.device)  # (B,) draft-vocab rows
         node_tokens = self.heads.token_ids(rows)  # (B,) token ids, what the heads embed
-        states, logits = self.heads.step(depth + 1, previous, node_tokens, full=False)
+        states, logits = self.heads.step(depth + 1, previous, node_tokens)
         check_finite(logits, "Medusa heads")
         for i, node in enumerate(nodes):
             self.states[node], self.logits[node] = states[i], logits[i]
@@ -569,7 +562,7 @@ class MedusaProposer(Proposer):
         for depth in range(max(depths) + 1):
             level = [i for i, d in enumerate(depths) if d == depth]
             owners = list(dict.fromkeys(parents[i] for i in level))  # parents of this level, -1 = root
-            logits = torch.stack([outputs.children_logits(p) for p in owners])  # (P, vocab)
+            logits = torch.stack([outputs.logits[p] for p in owners])  # (P, n) filled by root() and expand()
             row = [owners.index(parents[i]) for i in level]
             if sampling.greedy:  # tokens hold rows of the draft vocabulary until the end
                 top = logits.topk(max(ranks[i] for i in level) + 1, dim=-1).indices  # (P, ranks)
