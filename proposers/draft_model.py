@@ -9,19 +9,17 @@ tokens are fed, so accepted prefixes are never re-run.
 When sampling, tokens are drawn from the draft's processed distribution
 (same temperature / top-k / top-p as the target) and returned as draft_probs.
 
-With ``tree=true`` it drafts an EAGLE-2-style dynamic tree instead (Li et al.
-2024): level by level, the ``tree_width`` frontier nodes with the highest
-cumulative draft log-probability are expanded into their ``tree_width`` most
-probable children, one draft forward per level (the levels share one tree in
-the draft's cache, see ``ModelSession.forward(tree_start=...)``); ``k`` levels
-in all. The candidates are then reranked by cumulative log-probability and the
-best ``tree_budget`` kept (a child never outranks its parent, so they form a
-tree). The tree is deterministic (draft_probs None) at every temperature: the
-tree verifier's point-mass rule is lossless for any deterministic tree, while
-sampled siblings would only be if the tree's shape did not depend on the
-sampled tokens (verifiers/tree.py), which reranking breaks. ``tree_budget=auto``
-picks the budget that maximises expected tokens per second from the target's
-cost curve and the acceptance measured so far (decoders/tree_budget.py).
+With ``tree=true`` it drafts a dynamic tree instead (EAGLE-2, Li et al. 2024;
+decoders/dynamic_tree.py): ``k`` levels, each one draft forward over the
+``tree_width`` most probable frontier nodes (the levels share one tree in the
+draft's cache, see ``ModelSession.forward(tree_start=...)``), then the best
+``tree_budget`` candidates by cumulative log-probability, or with
+``tree_budget=auto`` each round's best size from the target's cost curve and
+the acceptance measured per depth and confidence. The tree is deterministic
+(draft_probs None) at every temperature: the tree verifier's point-mass rule is
+lossless for any deterministic tree, while sampled siblings would only be if
+the tree's shape did not depend on the sampled tokens (verifiers/tree.py),
+which reranking breaks.
 
 Syncing after a round works the same for chains and trees: the draft's cache
 holds the committed prefix followed by the drafted entries it fed (a chain or a
@@ -56,7 +54,7 @@ from decoders.models import ModelConfig, load_model, tiny_draft_model
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite
 from decoders.session import ModelSession
-from decoders.tree_budget import AcceptanceProfile, BudgetTuner
+from decoders.dynamic_tree import DynamicTree
 from proposers.base import Proposer, draft_token
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -77,8 +75,8 @@ class DraftModelProposer(Proposer):
         dtype: str = "auto"
         tree: bool = False  # EAGLE-2-style dynamic tree instead of a chain
         tree_width: int = 4  # children per expanded node, and nodes expanded per level
-        # nodes kept after reranking: an int, or "auto" (chosen from the target's cost
-        # curve and the measured acceptance, re-chosen as rounds accumulate)
+        # nodes kept after reranking: an int; "auto" (each round's best size from the target's
+        # cost curve and the acceptance measured per depth and confidence); null = all
         tree_budget: Any = 16
         # null = the full vocabulary; N = draft only over the N tokens the target outputs
         # most often (FR-Spec), from draft_vocab.json next to the distilled draft
@@ -91,13 +89,7 @@ class DraftModelProposer(Proposer):
         super().__init__(config, context)
         if config.k < 1:
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
-        if config.tree_width < 1:
-            raise ValueError(f"proposer.tree_width must be >= 1, got {config.tree_width}")
-        auto = config.tree_budget == "auto"
-        if not auto and not (isinstance(config.tree_budget, int) and config.tree_budget >= 1):
-            raise ValueError(
-                f"proposer.tree_budget must be a positive integer or auto, got {config.tree_budget!r}"
-            )
+        self.tree = DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
         self.sampled = not config.tree  # tree drafts are deterministic (see the module docstring)
         draft_dir = self._draft_dir()
         self.model = self._load_draft(draft_dir)
@@ -109,8 +101,7 @@ class DraftModelProposer(Proposer):
         self._draft_start = 0  # committed tokens when the last draft was made
         self._fed_parents: list[int] = []  # tree structure of the drafted entries cached after them
         self._last_tree: Draft | None = None
-        self.profile = AcceptanceProfile()
-        self.tuner = BudgetTuner(self.profile, context.cost_curve, self.max_tree_nodes) if auto else None
+        self._draft_seconds = 0.0
 
     def _draft_dir(self) -> Path | None:
         """The draft's directory or hub id: ``name_or_path``, else the distilled draft under
@@ -142,16 +133,6 @@ class DraftModelProposer(Proposer):
         check_same_tokenizer(self.context.tokenizer, tokenizer, path)
         return model
 
-    @property
-    def max_tree_nodes(self) -> int:
-        """Candidates a tree draft generates: ``tree_width`` per level and expanded node."""
-        width = self.config.tree_width
-        return width + (self.config.k - 1) * width * width
-
-    @property
-    def tree_budget(self) -> int:
-        return self.tuner.budget if self.tuner is not None else self.config.tree_budget
-
     def begin(self, state) -> None:
         self.session.reset()
         self._draft_start = 0
@@ -166,7 +147,8 @@ class DraftModelProposer(Proposer):
         fed = Draft(self.session.cached[start:], self._fed_parents)
         self.session.keep(start, follow_tokens(fed, accepted))
         if self._last_tree is not None:
-            self.profile.record(self._last_tree, follow_tokens(self._last_tree, accepted))
+            self.tree.record(self._last_tree, follow_tokens(self._last_tree, accepted), self._draft_seconds)
+            self._last_tree = None
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
@@ -179,8 +161,7 @@ class DraftModelProposer(Proposer):
         if not self.config.tree:
             return self._draft_chain(logits, state)
         self._last_tree = self._draft_tree(logits)
-        if self.tuner is not None:
-            self.tuner.observe_draft_seconds(time.perf_counter() - tick)
+        self._draft_seconds = time.perf_counter() - tick
         return self._last_tree
 
     def _draft_chain(self, logits: torch.Tensor, state) -> Draft:
@@ -193,7 +174,7 @@ class DraftModelProposer(Proposer):
             index, probs, confidence = draft_token(logits, state, self.config.min_confidence > 0)
             if confidence < self.config.min_confidence:
                 break
-            token = self._full_id(index)
+            token = self._token_ids([index])[0]
             if probs is not None:
                 draft_rows.append(probs if self.vocabulary is None else self.vocabulary.full_row(probs))
             draft_tokens.append(token)
@@ -204,55 +185,33 @@ class DraftModelProposer(Proposer):
         return Draft.chain(draft_tokens, draft_probs)
 
     def _draft_tree(self, root_logits: torch.Tensor) -> Draft:
-        """An EAGLE-2-style dynamic tree of at most ``tree_budget`` nodes (deterministic)."""
-        width = min(self.config.tree_width, root_logits.shape[-1])
+        """A dynamic tree (deterministic): each level's frontier is fed to the draft as
+        one more level of a tree in its cache."""
         tree_start = len(self.session)  # the tree's entries follow the pending token
-        tokens: list[int] = []  # every candidate node
-        parents: list[int] = []
-        scores: list[float] = []  # cumulative draft log-probability of each candidate
         offset_of: dict[int, int] = {-1: -1}  # candidate node -> offset of its fed entry
-        frontier: list[int] = [-1]  # candidates expanded at this level (-1: the pending token)
-        frontier_logits = root_logits[None]  # (f, vocab)
-        for level in range(self.config.k):
-            check_finite(frontier_logits, "draft model's forward pass")
-            top = torch.log_softmax(frontier_logits.float(), -1).topk(width, dim=-1)  # (f, width)
-            base = torch.tensor([scores[node] if node >= 0 else 0.0 for node in frontier])  # (f,)
-            child_scores = (top.values + base[:, None]).tolist()
-            child_tokens = top.indices if self.vocabulary is None else self.vocabulary.token_ids[top.indices]
-            child_tokens = child_tokens.tolist()
-            level_nodes = []
-            for row, node in enumerate(frontier):
-                for rank in range(width):
-                    level_nodes.append(len(tokens))
-                    tokens.append(child_tokens[row][rank])
-                    parents.append(node)
-                    scores.append(child_scores[row][rank])
-            if level + 1 == self.config.k:
-                break
-            frontier = sorted(sorted(level_nodes, key=lambda i: -scores[i])[:width])
+
+        def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
             for node in frontier:
                 offset_of[node] = len(self._fed_parents)
                 self._fed_parents.append(offset_of[parents[node]])
-            frontier_logits = self.session.forward(
-                [tokens[node] for node in frontier], self._fed_parents, tree_start=tree_start
-            )  # (f, vocab)
-        candidates = Draft(tokens, parents)
-        # A child scores at most its parent and is deeper, so it ranks after it: a tree.
-        ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], candidates.depths[i], i))
-        return candidates.select(sorted(ranked[: self.tree_budget]))
+            tokens = self._token_ids([rows[node] for node in frontier])
+            return self.session.forward(tokens, self._fed_parents, tree_start=tree_start)  # (f, n)
 
-    def _full_id(self, index: int) -> int:
-        """The full-vocabulary id of the draft head's output ``index``."""
-        return index if self.vocabulary is None else int(self.vocabulary.token_ids[index])
+        return self._ids(self.tree.build(root_logits, expand, "draft model's forward pass"))
+
+    def _ids(self, draft: Draft) -> Draft:
+        """A draft over the draft head's rows as one over token ids."""
+        return Draft(self._token_ids(draft.tokens), draft.parents, draft.draft_probs)
+
+    def _token_ids(self, rows: list[int]) -> list[int]:
+        return rows if self.vocabulary is None else self.vocabulary.token_ids[rows].tolist()
 
     def describe(self) -> dict:
         facts: dict = {"draft_parameters": sum(p.numel() for p in self.model.parameters())}
         if self.vocabulary is not None:
             facts["draft_vocab_size"] = len(self.vocabulary.token_ids)
         if self.config.tree:
-            facts["tree_budget"] = self.tree_budget
-            facts["tree_candidates"] = self.max_tree_nodes
-            facts["acceptance_by_depth_rank"] = self.profile.as_dict()
+            facts.update(self.tree.describe())
         return facts
 
 

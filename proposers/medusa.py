@@ -43,6 +43,13 @@ distribution, for sequential heads the head given the drafted path.
   takes the tree stored with the artifact, built from the heads' measured
   per-rank accuracies. When sampling, siblings are i.i.d. draws from their
   shared distribution.
+* dynamic tree (``tree: dynamic``): grown each round from the heads' own
+  confidence (decoders/dynamic_tree.py, the mechanism the draft model's trees
+  use): ``tree_width`` frontier nodes per level expanded into their
+  ``tree_width`` most probable children, then the best ``tree_budget`` nodes, or
+  with ``tree_budget: auto`` each round's best size from the target's cost and
+  the acceptance measured per depth and confidence. Deterministic at every
+  temperature (the tree verifier's point-mass rule).
 
 Artifact layout (written by ``python -m train drafter=medusa``)::
 
@@ -67,6 +74,7 @@ from torch import nn
 
 from decoders.draft import Draft, follow_tokens
 from decoders.draft_length import DraftLengthPolicy, confidence_bucket
+from decoders.dynamic_tree import DynamicTree
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite, processed_probs, sample
 from decoders.tree_budget import AcceptanceProfile, BudgetTuner
@@ -474,12 +482,15 @@ class MedusaProposer(Proposer):
         # Heads used (the chain length); null = all the artifact has.
         num_heads: int | None = None
         # null = chain of top-1 tokens; a list of Medusa choice paths, e.g.
-        # [[0], [1], [0, 0]]; or "auto" = the tree stored with the artifact.
+        # [[0], [1], [0, 0]]; "auto" = the tree stored with the artifact; "dynamic" =
+        # grown each round from the heads' confidence (decoders/dynamic_tree.py).
         tree: Any = None
         # trees: nodes kept, the first N of the tree's paths (ordered by expected
-        # acceptance); null = all; "auto" = chosen from the target's T(n) and the
-        # acceptance measured so far (decoders/tree_budget.py)
+        # acceptance) or the N most probable of a dynamic tree's candidates; null = all;
+        # "auto" = chosen from the target's T(n) and the acceptance measured so far
+        # (decoders/tree_budget.py; per round for dynamic trees)
         tree_budget: Any = None
+        tree_width: int = 4  # dynamic trees: children per expanded node, nodes expanded per level
         # chains: cut each draft to the length that pays, from acceptance measured per
         # first-head confidence and the target's T(n) (decoders/draft_length.py)
         adaptive: bool = True
@@ -506,7 +517,13 @@ class MedusaProposer(Proposer):
                 f"proposer.num_heads must be between 1 and the artifact's {self.heads.num_heads} heads, "
                 f"got {config.num_heads}"
             )
-        choices = self.meta.get("tree") if config.tree == "auto" else config.tree
+        self.dynamic = (
+            DynamicTree(config.tree_width, self.num_heads, config.tree_budget, context.cost_curve)
+            if config.tree == "dynamic"
+            else None
+        )
+        self.sampled = self.dynamic is None  # dynamic trees are deterministic
+        choices = self.meta.get("tree") if config.tree == "auto" else None if self.dynamic else config.tree
         if config.tree == "auto" and not choices:
             raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
         self.tree = None if choices is None else build_tree(choices, self.num_heads)
@@ -534,6 +551,14 @@ class MedusaProposer(Proposer):
         sampling = state.sampling
         outputs = _HeadOutputs(self.heads, state, self.num_heads)
         root = outputs.root()  # (n,) head 0's logits over the draft vocabulary
+        if self.dynamic is not None:
+            def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
+                outputs.expand(frontier, rows, parents, depth)
+                return torch.stack([outputs.logits[node] for node in frontier])  # (f, n)
+
+            draft = self.dynamic.build(root, expand, "Medusa heads")
+            self._last_tree = Draft(outputs.token_ids(draft.tokens), draft.parents)
+            return self._last_tree
         if self.tree is not None:
             draft = self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
             self._last_tree = draft
@@ -588,6 +613,9 @@ class MedusaProposer(Proposer):
         return self._trees[budget]
 
     def observe(self, state, acceptance) -> None:
+        if self._last_tree is not None and self.dynamic is not None:
+            self.dynamic.record(self._last_tree, follow_tokens(self._last_tree, acceptance.tokens), self._draft_seconds)
+            self._last_tree = None
         if self._last_tree is not None and self.tuner is not None:
             self.profile.record(self._last_tree, follow_tokens(self._last_tree, acceptance.tokens))
             self.tuner.observe_draft_seconds(self._draft_seconds)  # re-chooses the budget every few rounds
@@ -598,6 +626,8 @@ class MedusaProposer(Proposer):
             self._last = None
 
     def describe(self) -> dict:
+        if self.dynamic is not None:
+            return {"num_heads": self.num_heads, "sequential_heads": self.heads.sequential, **self.dynamic.describe()}
         return {
             "draft_length_rates": self.policy.as_dict() if self.policy is not None else None,
             "num_heads": self.num_heads,

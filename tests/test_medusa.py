@@ -186,6 +186,8 @@ CASES = [("medusa", v) for v in LOSSLESS] + [
         {"name": "medusa", "tree": TREE, "tree_budget": 3},
         {"name": "medusa", "tree": "auto", "tree_budget": "auto"},
         {"name": "medusa", "adaptive": False},
+        {"name": "medusa", "tree": "dynamic", "tree_budget": "auto"},
+        {"name": "medusa", "tree": "dynamic", "tree_width": 2, "tree_budget": 5},
     )
     for verifier in ["greedy", *TREE_VERIFIERS]
 ]
@@ -204,15 +206,22 @@ def test_greedy_output_equals_standard_decoding(base, proposer, verifier):
     assert accepted > 0, "no Medusa token was ever accepted: the test exercised nothing"
 
 
-def test_rejection_sampling_keeps_the_targets_distribution(base):
-    """With draft_probs from the heads, the first drafted token (the second generated
-    one) follows the target's distribution exactly: chi-square on (t1, t2) pairs."""
+@pytest.mark.parametrize(
+    ("proposer", "verifier"),
+    [("medusa", "rejection"), ({"name": "medusa", "tree": "dynamic", "tree_budget": "auto"}, "tree")],
+    ids=["chain-rejection", "dynamic-tree"],
+)
+def test_sampling_keeps_the_targets_distribution(base, proposer, verifier):
+    """Drafted tokens (from the second generated one on) follow the target's
+    distribution exactly, whether sampled chains (rejection sampling against the
+    heads' draft_probs) or deterministic dynamic trees (point-mass rule): chi-square
+    on the first two tokens."""
     sampling = SamplingConfig(temperature=1.0, top_k=3)
-    pipeline = base.with_components("medusa", "rejection", sampling)
+    pipeline = base.with_components(proposer, verifier, sampling)
     prompt = base.encode("Explain how")  # a chat prompt like the training ones: drafts get accepted
     samples, accepted = Counter(), 0
     for seed in range(400):
-        result = pipeline.generate(prompt, 3, seed=seed)  # round 1 drafts exactly one token
+        result = pipeline.generate(prompt, 3, seed=seed)
         samples[tuple(result.tokens[:2])] += 1
         accepted += result.stats.accepted
     assert accepted > 20, "the heads' drafts were hardly ever accepted: the test would be weak"
@@ -232,6 +241,19 @@ def test_rejection_sampling_keeps_the_targets_distribution(base):
     predicted = [expected[c] * total for c in cells]
     scale = total / sum(predicted)
     assert chisquare(observed, [p * scale for p in predicted]).pvalue > 1e-3
+
+
+def test_dynamic_tree_nodes_are_their_parents_top_children(base):
+    proposer = base.with_components({"name": "medusa", "tree": "dynamic", "tree_width": 3}, "tree").proposer
+    assert not proposer.sampled
+    state = decode_state(base, random_prompts(1, seed=4)[0], SamplingConfig())
+    draft = proposer.propose(state)
+    assert len(draft) == 3 + (proposer.num_heads - 1) * 3 * 3 and not draft.is_chain and draft.draft_probs is None
+    for node in range(len(draft)):
+        top = reference_logits(proposer.heads, state, ancestors(draft, node)).topk(3).indices.tolist()
+        assert draft.tokens[node] in top
+    for row in draft.children:  # siblings are distinct
+        assert len({draft.tokens[c] for c in row}) == len(row)
 
 
 def test_missing_artifact_names_the_training_command(tiny_pipeline):

@@ -332,7 +332,7 @@ def test_follow_tokens_finds_the_accepted_path():
 def test_tree_option_is_validated(tiny_model, tiny_config):
     model, _ = tiny_model
     context = PipelineContext(model, None, tiny_config)
-    with pytest.raises(ValueError, match="tree_budget must be a positive integer or auto"):
+    with pytest.raises(ValueError, match="tree_budget must be a positive integer, auto or null"):
         build(proposer_registry, {"name": "draft_model", "tree": True, "tree_budget": "big"}, context=context)
     chain = build(proposer_registry, {"name": "draft_model"}, context=context)
     assert chain.sampled and not chain.config.tree  # the chain stays the default
