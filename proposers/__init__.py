@@ -5,6 +5,7 @@ from proposers import (  # noqa: F401  (registration)
     draft_model,
     early_exit,  # noqa: F401  (registration)
     medusa,  # noqa: F401  (registration)
+    merge,
     ngram,
 )
 from proposers.base import Proposer

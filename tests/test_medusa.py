@@ -188,6 +188,7 @@ CASES = [("medusa", v) for v in LOSSLESS] + [
         {"name": "medusa", "adaptive": False},
         {"name": "medusa", "tree": "dynamic", "tree_budget": "auto"},
         {"name": "medusa", "tree": "dynamic", "tree_width": 2, "tree_budget": 5},
+        {"name": "merge", "members": [{"name": "medusa", "tree": "auto"}, {"name": "ngram"}]},
     )
     for verifier in ["greedy", *TREE_VERIFIERS]
 ]
@@ -208,8 +209,12 @@ def test_greedy_output_equals_standard_decoding(base, proposer, verifier):
 
 @pytest.mark.parametrize(
     ("proposer", "verifier"),
-    [("medusa", "rejection"), ({"name": "medusa", "tree": "dynamic", "tree_budget": "auto"}, "tree")],
-    ids=["chain-rejection", "dynamic-tree"],
+    [
+        ("medusa", "rejection"),
+        ({"name": "medusa", "tree": "dynamic", "tree_budget": "auto"}, "tree"),
+        ({"name": "merge", "members": ["medusa", "ngram"]}, "tree"),
+    ],
+    ids=["chain-rejection", "dynamic-tree", "merged-with-ngram"],
 )
 def test_sampling_keeps_the_targets_distribution(base, proposer, verifier):
     """Drafted tokens (from the second generated one on) follow the target's

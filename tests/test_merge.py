@@ -1,0 +1,100 @@
+"""proposer=merge: members' drafts joined into one tree, each member seeing its own acceptance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from decoders.draft import Acceptance, Draft
+from decoders.registry import RegistryError, build, proposer_registry
+from proposers.base import Proposer
+from proposers.merge import MergeProposer
+from tests.conftest import random_prompts
+
+
+class FixedProposer(Proposer):
+    """Always proposes the same draft; remembers what it observed."""
+
+    name = "fixed"
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, draft: Draft) -> None:
+        super().__init__(self.Config(), None)
+        self.draft = draft
+        self.observed: list[Acceptance] = []
+
+    def propose(self, state) -> Draft:
+        return self.draft
+
+    def observe(self, state, acceptance) -> None:
+        self.observed.append(acceptance)
+
+
+def merged(*drafts: Draft) -> tuple[MergeProposer, list[FixedProposer]]:
+    proposer = MergeProposer.__new__(MergeProposer)
+    members = [FixedProposer(d) for d in drafts]
+    proposer.members, proposer._drafts = members, []
+    proposer.merged_nodes, proposer.own_nodes = 0, [0] * len(members)
+    return proposer, members
+
+
+def test_shared_prefixes_become_shared_nodes_and_the_first_member_leads():
+    chain = Draft.chain([1, 2, 3])
+    tree = Draft([1, 5, 4, 2], [-1, 0, -1, 0])  # 1 -> {5, 2}, 4
+    proposer, _ = merged(chain, tree)
+    draft = proposer.propose(None)
+    paths = set()
+    for node in range(len(draft)):
+        path, n = [], node
+        while n >= 0:
+            path.insert(0, draft.tokens[n])
+            n = draft.parents[n]
+        paths.add(tuple(path))
+    assert paths == {(1,), (1, 2), (1, 2, 3), (1, 5), (4,)}
+    assert len(draft) == 5 and draft.draft_probs is None
+    assert [draft.tokens[i] for i in draft.principal_path()] == [1, 2, 3]
+    assert proposer.merged_nodes == 2 and proposer.own_nodes == [3, 2]
+
+
+def test_each_member_observes_its_own_accepted_path():
+    chain = Draft.chain([1, 2, 3])
+    tree = Draft([4, 1, 5], [-1, -1, 1])  # 4; 1 -> 5
+    proposer, (first, second) = merged(chain, tree)
+    proposer.propose(None)
+    proposer.observe(None, Acceptance(path=[0, 4], tokens=[1, 5, 9]))  # merged nodes: 1 then 5
+    assert first.observed[-1].path == [0] and first.observed[-1].tokens == [1, 5, 9]
+    assert second.observed[-1].path == [1, 2]
+
+
+MEMBERS = [
+    [{"name": "ngram", "k": 4}, {"name": "draft_model", "k": 3}],
+    [{"name": "draft_model", "tree": True, "k": 3, "tree_width": 2, "tree_budget": 5}, {"name": "ngram", "branches": 2}],
+]
+
+
+@pytest.mark.parametrize("members", MEMBERS, ids=["chain+chain", "tree+tree"])
+@pytest.mark.parametrize("verifier", ["tree", "greedy"])
+def test_greedy_output_equals_standard_decoding(tiny_pipeline, members, verifier):
+    pipeline = tiny_pipeline.with_components({"name": "merge", "members": members}, verifier)
+    accepted = 0
+    for prompt in random_prompts(5, seed=3):
+        for max_new in (1, 7, 30):
+            expected = tiny_pipeline.generate(prompt, max_new).tokens
+            result = pipeline.generate(prompt, max_new)
+            assert result.tokens == expected, (members, verifier, prompt, max_new)
+            accepted += result.stats.accepted
+    assert accepted > 0
+
+
+def test_bad_members_are_refused(tiny_pipeline):
+    context = tiny_pipeline.context
+    with pytest.raises(ValueError, match="at least one member"):
+        build(proposer_registry, {"name": "merge", "members": []}, context=context)
+    with pytest.raises(ValueError, match="another merge"):
+        build(proposer_registry, {"name": "merge", "members": ["ngram", {"name": "merge"}]}, context=context)
+    with pytest.raises(RegistryError, match="unknown proposer 'nope'"):
+        build(proposer_registry, {"name": "merge", "members": ["nope"]}, context=context)
