@@ -135,7 +135,12 @@ class DynamicTree:
     it learns from verified rounds (``record``)."""
 
     def __init__(
-        self, width: int, depth: int, budget: Any, target_cost: Callable[[], CostCurve], min_gain: float = 0.01
+        self,
+        width: int,
+        depth: int,
+        budget: Any,
+        target_cost: Callable[[], CostCurve],
+        min_gain: float = 0.01,
     ) -> None:
         if width < 1:
             raise ValueError(f"proposer.tree_width must be >= 1, got {width}")
@@ -168,7 +173,9 @@ class DynamicTree:
             order = sorted(range(len(candidates)), key=lambda i: (-values[i], candidates.depths[i], i))
             keep = order[: self._best_size([values[i] for i in order])]
         else:
-            order = sorted(range(len(candidates)), key=lambda i: (-candidates.scores[i], candidates.depths[i], i))
+            order = sorted(
+                range(len(candidates)), key=lambda i: (-candidates.scores[i], candidates.depths[i], i)
+            )
             keep = order[: self.budget or len(order)]
         keep.sort()
         draft = Draft(candidates.rows, candidates.parents).select(keep)
@@ -213,6 +220,8 @@ class DynamicTree:
             "tree_depth": self.depth,
             "tree_budget": self.budget,
             "tree_candidates": self.max_nodes,
-            "mean_tree_nodes": round(sum(n * c for n, c in self.sizes.items()) / rounds, 3) if rounds else None,
+            "mean_tree_nodes": round(sum(n * c for n, c in self.sizes.items()) / rounds, 3)
+            if rounds
+            else None,
             "acceptance_by_depth_confidence": self.calibration.as_dict(),
         }

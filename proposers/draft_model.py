@@ -50,11 +50,11 @@ from typing import Any
 import torch
 
 from decoders.draft import Draft, follow_tokens
+from decoders.dynamic_tree import DynamicTree
 from decoders.models import ModelConfig, load_model, tiny_draft_model
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite
 from decoders.session import ModelSession
-from decoders.dynamic_tree import DynamicTree
 from proposers.base import Proposer, draft_token
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"

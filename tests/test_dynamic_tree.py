@@ -41,8 +41,13 @@ def test_grow_expands_the_best_frontier_into_its_top_children():
     assert candidates.scores[0] == pytest.approx(float(root_logp[0]))
     for i, parent in enumerate(candidates.parents):
         if parent >= 0:
-            assert candidates.rows[i] in ((candidates.rows[parent] + 1) % VOCAB, (candidates.rows[parent] + 2) % VOCAB)
-            assert candidates.scores[i] == pytest.approx(candidates.scores[parent] + math.log(candidates.probs[i]))
+            assert candidates.rows[i] in (
+                (candidates.rows[parent] + 1) % VOCAB,
+                (candidates.rows[parent] + 2) % VOCAB,
+            )
+            assert candidates.scores[i] == pytest.approx(
+                candidates.scores[parent] + math.log(candidates.probs[i])
+            )
             assert candidates.depths[i] == candidates.depths[parent] + 1
     # level 2 expands the two best depth-1 nodes by cumulative score
     level1 = [i for i, d in enumerate(candidates.depths) if d == 1]

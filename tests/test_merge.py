@@ -72,7 +72,10 @@ def test_each_member_observes_its_own_accepted_path():
 
 MEMBERS = [
     [{"name": "ngram", "k": 4}, {"name": "draft_model", "k": 3}],
-    [{"name": "draft_model", "tree": True, "k": 3, "tree_width": 2, "tree_budget": 5}, {"name": "ngram", "branches": 2}],
+    [
+        {"name": "draft_model", "tree": True, "k": 3, "tree_width": 2, "tree_budget": 5},
+        {"name": "ngram", "branches": 2},
+    ],
 ]
 
 
