@@ -6,15 +6,23 @@ prompt lookup copies well and guesses nothing else. ``proposer=merge`` asks each
 member for its draft and joins them into one token tree (shared prefixes
 become shared nodes), so the target checks every member's guesses in the same
 pass. The first member's principal path stays the principal path (what a chain
-verifier keeps).
+verifier keeps). A round where only one member proposes anything sends that
+member's draft unchanged (with its draft_probs, if sampled).
 
 Each member sizes its own draft from its own config and sees, after the
 round, the acceptance of its own draft (its nodes along the tokens the target
 committed), so adaptive members (``ngram``'s length policy, Medusa's budget)
-keep learning as if alone. The merged tree is deterministic (draft_probs None):
-the tree verifier's point-mass rule is lossless for any set of candidates
-chosen independently of the verifier's own randomness, which sampled members'
-tokens are.
+keep learning as if alone.
+
+Sampling stays lossless under the tree verifier's conditions (verifiers/tree.py):
+only deterministic nodes (members with draft_probs None, e.g. prompt lookup, and
+every member at temperature 0) are joined by equal (parent, token). A sampled
+member's nodes stay separate siblings with their own q rows, even where a token
+repeats another sibling's, since joining equal samples would make the tree's
+shape depend on the sampled values. In a tree that holds sampled nodes, a
+deterministic node's row is the point mass on its token (the q-rule with a
+point mass is the point-mass rule), so sampled nodes keep the min(1, p/q)
+acceptance they would get alone.
 
 Example: ``proposer=merge "proposer.members=[{name:medusa,tree:auto,tree_budget:auto},{name:ngram}]"``.
 """
@@ -23,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from decoders.draft import Acceptance, Draft, follow_tokens
 from decoders.registry import build, proposer_registry, register_proposer
@@ -36,7 +46,7 @@ class MergeProposer(Proposer):
         # member proposers: names or {name: ..., options...}, as for `proposer`
         members: list[Any] = field(default_factory=lambda: [{"name": "medusa"}, {"name": "ngram"}])
 
-    sampled = False
+    sampled = False  # True when a member samples (set in __init__)
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
@@ -46,6 +56,7 @@ class MergeProposer(Proposer):
         if "merge" in names:
             raise ValueError("proposer.members cannot hold another merge; list its members directly")
         self.members: list[Proposer] = [build(proposer_registry, m, context=context) for m in config.members]
+        self.sampled = any(member.sampled for member in self.members)
         self._drafts: list[Draft] = []
         self.merged_nodes = 0  # nodes saved by shared prefixes, over all rounds
         self.own_nodes = [0] * len(self.members)  # nodes only this member proposed
@@ -56,23 +67,33 @@ class MergeProposer(Proposer):
 
     def propose(self, state) -> Draft:
         self._drafts = [member.propose(state) for member in self.members]
+        proposing = [m for m, draft in enumerate(self._drafts) if len(draft)]
+        if len(proposing) <= 1:
+            for m in proposing:
+                self.own_nodes[m] += len(self._drafts[m])
+            return self._drafts[proposing[0]] if proposing else Draft.empty()
         tokens: list[int] = []
         parents: list[int] = []
-        node_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+        rows: list[torch.Tensor | None] = []  # a sampled node's q; None = a point mass on its token
+        node_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> deterministic merged node
         for m, draft in enumerate(self._drafts):
+            sampled = draft.draft_probs is not None
             mapped: list[int] = []
-            for token, parent in zip(draft.tokens, draft.parents):
+            for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
                 key = (mapped[parent] if parent >= 0 else -1, token)
-                node = node_of.get(key)
+                node = None if sampled else node_of.get(key)
                 if node is None:
-                    node = node_of[key] = len(tokens)
+                    node = len(tokens)
                     tokens.append(token)
                     parents.append(key[0])
+                    rows.append(draft.draft_probs[i] if sampled else None)
+                    if not sampled:
+                        node_of[key] = node
                     self.own_nodes[m] += 1
                 else:
                     self.merged_nodes += 1
                 mapped.append(node)
-        return Draft(tokens, parents)
+        return Draft(tokens, parents, _rows(tokens, rows))
 
     def observe(self, state, acceptance: Acceptance) -> None:
         for member, draft in zip(self.members, self._drafts):
@@ -84,3 +105,18 @@ class MergeProposer(Proposer):
             "nodes_from_each_member": self.own_nodes,
             "nodes_shared": self.merged_nodes,
         }
+
+
+def _rows(tokens: list[int], rows: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """(n, vocab) draft_probs: q rows as given, point masses for deterministic nodes; None
+    when every node is deterministic."""
+    like = next((row for row in rows if row is not None), None)
+    if like is None:
+        return None
+    probs = like.new_zeros(len(rows), like.shape[-1])  # (n, vocab)
+    for i, (token, row) in enumerate(zip(tokens, rows)):
+        if row is None:
+            probs[i, token] = 1.0
+        else:
+            probs[i] = row
+    return probs

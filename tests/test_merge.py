@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from decoders.draft import Acceptance, Draft
 from decoders.registry import RegistryError, build, proposer_registry
@@ -58,6 +59,28 @@ def test_shared_prefixes_become_shared_nodes_and_the_first_member_leads():
     assert len(draft) == 5 and draft.draft_probs is None
     assert [draft.tokens[i] for i in draft.principal_path()] == [1, 2, 3]
     assert proposer.merged_nodes == 2 and proposer.own_nodes == [3, 2]
+
+
+def test_a_lone_proposing_member_is_passed_on_unchanged():
+    sampled = Draft.chain([1, 2], torch.full((2, 4), 0.25))
+    proposer, _ = merged(sampled, Draft.empty())
+    assert proposer.propose(None) is sampled  # its draft_probs kept: rejection sampling as if alone
+    proposer, _ = merged(Draft.empty(), Draft.empty())
+    assert len(proposer.propose(None)) == 0
+
+
+def test_sampled_nodes_stay_separate_and_keep_their_rows():
+    q = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.25, 0.75, 0.0]])
+    sampled = Draft.chain([1, 2], q)
+    lookup = Draft.chain([1, 3])  # deterministic: the same first token as the sampled chain
+    other = Draft.chain([1, 3, 0])  # deterministic: joins the lookup chain
+    proposer, _ = merged(sampled, lookup, other)
+    draft = proposer.propose(None)
+    assert draft.tokens == [1, 2, 1, 3, 0] and draft.parents == [-1, 0, -1, 2, 3]
+    torch.testing.assert_close(draft.draft_probs[:2], q)
+    for node, token in [(2, 1), (3, 3), (4, 0)]:  # point masses on deterministic nodes
+        assert draft.draft_probs[node].tolist() == [float(t == token) for t in range(4)]
+    assert [draft.tokens[i] for i in draft.principal_path()] == [1, 2]
 
 
 def test_each_member_observes_its_own_accepted_path():
