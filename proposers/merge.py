@@ -44,7 +44,9 @@ class MergeProposer(Proposer):
     @dataclass
     class Config:
         # member proposers: names or {name: ..., options...}, as for `proposer`
-        members: list[Any] = field(default_factory=lambda: [{"name": "medusa"}, {"name": "ngram"}])
+        members: list[Any] = field(
+            default_factory=lambda: [{"name": "medusa", "tree": "auto", "tree_budget": "auto"}, {"name": "ngram"}]
+        )
 
     sampled = False  # True when a member samples (set in __init__)
 
