@@ -44,6 +44,14 @@ class CostCurve:
         """T(n) / T(1)."""
         return self(n) / self(1)
 
+    def non_decreasing(self, max_tokens: int) -> list[float]:
+        """[T(1), ..., T(max_tokens)], each at least the one before: measurement noise
+        must not make a wider pass look cheaper to a policy choosing a width."""
+        seconds: list[float] = []
+        for m in range(1, max_tokens + 1):
+            seconds.append(max(self(m), seconds[-1] if seconds else 0.0))
+        return seconds
+
 
 @torch.inference_mode()
 def measure_cost_curve(

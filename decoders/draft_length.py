@@ -47,11 +47,7 @@ class DraftLengthPolicy:
 
     def _pass_seconds(self) -> list[float]:
         if self._seconds is None:
-            curve = self._target_cost()
-            seconds: list[float] = []
-            for m in range(1, self.max_len + 2):
-                seconds.append(max(curve(m), seconds[-1] if seconds else 0.0))  # noise must not reward width
-            self._seconds = seconds
+            self._seconds = self._target_cost().non_decreasing(self.max_len + 1)
         return self._seconds
 
     def rate(self, key: Hashable, depth: int) -> float:

@@ -196,11 +196,7 @@ class DynamicTree:
 
     def _pass_seconds(self) -> list[float]:
         if self._seconds is None:
-            curve = self._target_cost()
-            seconds: list[float] = []
-            for m in range(1, self.max_nodes + 2):
-                seconds.append(max(curve(m), seconds[-1] if seconds else 0.0))  # noise must not reward width
-            self._seconds = seconds
+            self._seconds = self._target_cost().non_decreasing(self.max_nodes + 1)
         return self._seconds
 
     def record(self, draft: Draft, path: list[int], draft_seconds: float) -> None:

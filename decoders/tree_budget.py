@@ -17,9 +17,11 @@ independent, a node is accepted with the product of a(d, r) along its path.
 These products only shrink going down a path, so the n most probable nodes form
 a tree, and E(n) = 1 + their sum.
 
-Used by ``proposer=draft_model proposer.tree=true proposer.tree_budget=auto``:
-the draft starts with its full candidate tree (to measure every depth and rank),
-then re-chooses the budget every ``every`` rounds from what it has measured.
+Used by static trees (``proposer=medusa proposer.tree=auto proposer.tree_budget=auto``):
+the proposer starts with its full tree (to measure every depth and rank), then
+re-chooses the budget every ``every`` rounds from what it has measured. Dynamic
+trees, whose shape changes every round, size each round instead
+(decoders/dynamic_tree.py).
 """
 
 from __future__ import annotations
