@@ -202,7 +202,7 @@ class DynamicTree:
     def record(self, draft: Draft, path: list[int], draft_seconds: float) -> None:
         """After verification of the last tree built (``draft``, its tokens mapped to ids or
         not): ``path`` is its accepted path, ``draft_seconds`` what drafting it took."""
-        if self._keys is not None and len(self._keys) == len(draft):
+        if self._keys is not None:
             self.calibration.record(draft, self._keys, path)
         self._keys = None
         self._draft_seconds += draft_seconds
