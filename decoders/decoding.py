@@ -81,12 +81,24 @@ class DecodeState:
     generator: torch.Generator
     target: ModelSession
     hidden_row: int = -1  # row of target.hidden that produced the pending token
+    # rows of target.hidden at the positions the last pass committed (None: all, as after
+    # the prefill); they are the positions just before the pending token, in order
+    committed_rows: list[int] | None = None
 
     @property
     def last_hidden(self) -> torch.Tensor:
         """(hidden,) the target's final hidden state that predicted the pending token."""
         assert self.target.hidden is not None
         return self.target.hidden[self.hidden_row]
+
+    @property
+    def committed_hidden(self) -> torch.Tensor:
+        """(c, hidden) the target's final hidden states at the positions the last pass
+        committed: the prompt after the prefill, then the pending token of the round
+        and the accepted draft tokens (positions len(tokens) - 1 - c .. len(tokens) - 2)."""
+        assert self.target.hidden is not None
+        rows = self.committed_rows
+        return self.target.hidden if rows is None else self.target.hidden[rows]
 
     @property
     def generated(self) -> list[int]:
@@ -199,8 +211,9 @@ def decode(
             target_logits = proposer.verify_forward(target, block, parents)
         check_finite(target_logits, "target's verification pass")
         acceptance: Acceptance = verifier.verify(draft, target_logits, sampling, generator)
-        target.keep(block_start, [0] + [node + 1 for node in acceptance.path])
-        state.hidden_row = acceptance.path[-1] + 1 if acceptance.path else 0
+        state.committed_rows = [0] + [node + 1 for node in acceptance.path]
+        target.keep(block_start, state.committed_rows)
+        state.hidden_row = state.committed_rows[-1]
 
         new, done = stop.cut(output, acceptance.tokens)
         output.extend(new)

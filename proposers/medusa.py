@@ -27,6 +27,12 @@ Hydra (Ankner et al. 2024); see :class:`MedusaHeads`. Head 0 then knows the
 token the target has just chosen, which Medusa-1's first head has to guess
 around. Drafting runs the heads one after another, batched over a tree level.
 
+Copy heads (``drafter.copy_width > 0``, sequential heads only): each head also
+points into the committed context and mixes the token that followed the places
+it points at with its own distribution, over the whole vocabulary
+(proposers/copy_attention.py). The proposer keeps the request's keys and
+values, extended each round with the positions the target committed.
+
 Drafts are token trees filled level by level (a chain is the tree whose every
 node has one child); a node's token comes from the distribution its parent's
 path gives the node's head: for Medusa-1 heads that is the head's one
@@ -79,6 +85,7 @@ from decoders.registry import register_proposer
 from decoders.sampling import check_finite, processed_probs, sample
 from decoders.tree_budget import AcceptanceProfile, BudgetTuner
 from proposers.base import Proposer
+from proposers.copy_attention import ContextMemory, CopyAttention, mixture
 
 CONFIG_FILE = "medusa.json"
 BLOCKS_FILE = "heads.safetensors"
@@ -127,10 +134,15 @@ class MedusaHeads(nn.Module):
         num_heads: int,
         draft_vocab: torch.Tensor | None = None,
         embeddings: nn.Embedding | None = None,
+        copy_width: int = 0,
     ) -> None:
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"Medusa needs at least one head, got num_heads={num_heads}")
+        if copy_width and embeddings is None:
+            raise ValueError(
+                "copy heads must be sequential (drafter.sequential=true): they read the drafted tokens"
+            )
         self.num_heads = num_heads
         self.vocab_size, hidden_size = lm_head.weight.shape
         # (n,) token id of each output row; None = all tokens
@@ -143,6 +155,10 @@ class MedusaHeads(nn.Module):
         if self.sequential:
             self.inputs = nn.ModuleList(_input_mixer(hidden_size) for _ in range(num_heads))
             self.inputs.to(lm_head.weight)
+        # copy heads: a pointer over the committed context (proposers/copy_attention.py)
+        self.copy = (
+            CopyAttention(hidden_size, num_heads, copy_width).to(lm_head.weight) if copy_width else None
+        )
         self.blocks.to(lm_head.weight)
         self._drafting: DraftProjection | None = None
 
@@ -156,7 +172,16 @@ class MedusaHeads(nn.Module):
 
     def trained_modules(self) -> dict[str, nn.Module]:
         """The parts trained in full and saved in heads.safetensors (LoRA aside)."""
-        return {"blocks": self.blocks, **({"inputs": self.inputs} if self.sequential else {})}
+        modules: dict[str, nn.Module] = {"blocks": self.blocks}
+        if self.sequential:
+            modules["inputs"] = self.inputs
+        if self.copy is not None:
+            modules["copy"] = self.copy
+        return modules
+
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The target's input embeddings of ``tokens`` (...), (..., hidden)."""
+        return self._embeddings[0](tokens.clamp(min=0)).to(dtype)
 
     def state(self, k: int, previous: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         """Head k's state: previous (..., hidden) is ``h`` for Medusa heads and for the
@@ -164,21 +189,31 @@ class MedusaHeads(nn.Module):
         (ignored by Medusa heads, whose states all read ``h``)."""
         if not self.sequential:
             return self.blocks[k](previous)
-        embedded = self._embeddings[0](tokens.clamp(min=0)).to(previous.dtype)  # (..., hidden)
+        embedded = self.embed(tokens, previous.dtype)  # (..., hidden)
         return self.blocks[k](self.inputs[k](torch.cat([previous, embedded], dim=-1)))
 
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, context=None):
         """hidden (..., hidden), tokens (..., K) the y_k (sequential heads; teacher-forced
-        in training) -> logits (..., K, n) over the draft vocabulary, through the PEFT layers."""
+        in training) -> logits (..., K, n) over the draft vocabulary, through the PEFT layers.
+
+        Copy heads with ``context`` = (keys, values, mask) from :meth:`CopyAttention.entries`
+        ((B, L, width) each, mask (B, R, L)) for hidden (B, R, hidden): also each head's
+        pointer, (logits, weights (B, R, K, L), gates (B, R, K))."""
         if self.sequential and tokens is None:
             raise ValueError("sequential heads need the tokens y_0 .. y_K-1 they read")
-        logits, state = [], hidden
+        logits, weights, gates, state = [], [], [], hidden
         for k, lm in enumerate(self.lm_heads):
-            state = self.state(
-                k, state if self.sequential else hidden, None if tokens is None else tokens[..., k]
-            )
+            token = None if tokens is None else tokens[..., k]
+            if context is not None:
+                keys, values, mask = context
+                weight, gate = self.copy.point(k, state, self.embed(token, state.dtype), keys, values, mask)
+                weights.append(weight)
+                gates.append(gate)
+            state = self.state(k, state if self.sequential else hidden, token)
             logits.append(lm(state))
-        return torch.stack(logits, dim=-2)
+        if context is None:
+            return torch.stack(logits, dim=-2)
+        return torch.stack(logits, dim=-2), torch.stack(weights, dim=-2), torch.cat(gates, dim=-1)
 
     def fused_logits(self, hidden: torch.Tensor, full: bool = True) -> torch.Tensor:
         """Medusa heads: hidden (hidden,) -> logits (K, vocab): :meth:`forward`'s values
@@ -190,19 +225,51 @@ class MedusaHeads(nn.Module):
         residual = torch.stack([block(hidden) for block in self.blocks])  # (K, hidden)
         return self.projection.logits(residual, full)
 
-    def step(self, k: int, previous: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, k: int, previous: torch.Tensor, tokens: torch.Tensor, memory: ContextMemory | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequential heads, drafting: previous (B, hidden), tokens (B,) -> (head k's
-        states (B, hidden), its logits (B, n) over the draft vocabulary's rows)."""
+        states (B, hidden), its logits (B, n) over the draft vocabulary's rows).
+
+        Copy heads read ``memory`` and give log-probabilities of the mixture with their
+        pointer over the whole vocabulary instead, (B, vocab)."""
         state = self.state(k, previous, tokens)
-        return state, self.projection.head_logits(k, state)
+        logits = self.projection.head_logits(k, state)  # (B, n)
+        if self.copy is None:
+            return state, logits
+        if memory is None:
+            raise ValueError("copy heads draft from the request's context: pass its ContextMemory")
+        weights, gate = self.copy.point(
+            k, previous, self.embed(tokens, previous.dtype), memory.keys, memory.values
+        )
+        probs = mixture(
+            torch.softmax(logits.float(), -1),
+            self.draft_vocab,
+            self.vocab_size,
+            weights.float(),
+            gate.float(),
+            memory.following,
+        )  # (B, vocab)
+        return state, probs.log().clamp(min=torch.finfo(torch.float32).min)
+
+    def context_memory(self) -> ContextMemory:
+        """An empty memory of committed positions for one request (copy heads)."""
+        if self.copy is None:
+            raise ValueError("these heads have no copy attention")
+        return ContextMemory(self.copy, self._embeddings[0])
+
+    @property
+    def drafts_rows(self) -> bool:
+        """True if drafting logits are over the draft vocabulary's rows (not token ids)."""
+        return self.draft_vocab is not None and self.copy is None
 
     def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows of the draft vocabulary -> token ids."""
-        return rows if self.draft_vocab is None else self.draft_vocab[rows]
+        """Drafting rows (of the draft vocabulary) -> token ids."""
+        return self.draft_vocab[rows] if self.drafts_rows else rows
 
     def full_rows(self, probs: torch.Tensor) -> torch.Tensor:
-        """(B, n) probabilities over the draft vocabulary -> (B, vocab), 0 elsewhere."""
-        if self.draft_vocab is None:
+        """(B, n) drafting probabilities over the draft vocabulary -> (B, vocab), 0 elsewhere."""
+        if not self.drafts_rows:
             return probs
         full = probs.new_zeros((len(probs), self.vocab_size))
         full[:, self.draft_vocab] = probs
@@ -361,7 +428,9 @@ def load_artifact(
         )
     tensors = load_file(str(directory / BLOCKS_FILE))
     draft_vocab = tensors.pop(VOCAB_KEY, None)
-    heads = MedusaHeads(lm_head, meta["num_heads"], draft_vocab, embeddings if sequential else None)
+    heads = MedusaHeads(
+        lm_head, meta["num_heads"], draft_vocab, embeddings if sequential else None, meta.get("copy_width", 0)
+    )
     for part, module in heads.trained_modules().items():
         module.load_state_dict(
             {name.removeprefix(f"{part}."): t for name, t in tensors.items() if name.startswith(f"{part}.")}
@@ -433,8 +502,11 @@ class _HeadOutputs:
     given p's path, computed by ``expand`` (batched over a level's parents).
     """
 
-    def __init__(self, heads: MedusaHeads, state, num_heads: int) -> None:
+    def __init__(
+        self, heads: MedusaHeads, state, num_heads: int, memory: ContextMemory | None = None
+    ) -> None:
         self.heads = heads
+        self.memory = memory  # copy heads: the request's committed context
         self.hidden = state.last_hidden  # (hidden,)
         self.pending = state.tokens[-1]
         self.num_heads = num_heads
@@ -445,7 +517,7 @@ class _HeadOutputs:
     def root(self) -> torch.Tensor:
         if self.heads.sequential:
             token = torch.tensor([self.pending], device=self.hidden.device)
-            states, logits = self.heads.step(0, self.hidden[None], token)
+            states, logits = self.heads.step(0, self.hidden[None], token, self.memory)
             self.states[-1], self.logits[-1] = states[0], logits[0]
         else:
             self.fused = self.heads.fused_logits(self.hidden, full=False)[: self.num_heads]  # (K, n)
@@ -467,7 +539,7 @@ class _HeadOutputs:
         previous = torch.stack([self.states[parents[node]] for node in nodes])  # (B, hidden)
         rows = torch.tensor([tokens[node] for node in nodes], device=previous.device)  # (B,) draft-vocab rows
         node_tokens = self.heads.token_ids(rows)  # (B,) token ids, what the heads embed
-        states, logits = self.heads.step(depth + 1, previous, node_tokens)
+        states, logits = self.heads.step(depth + 1, previous, node_tokens, self.memory)
         check_finite(logits, "Medusa heads")
         for i, node in enumerate(nodes):
             self.states[node], self.logits[node] = states[i], logits[i]
@@ -539,6 +611,7 @@ class MedusaProposer(Proposer):
         self._draft_seconds = 0.0
         self.policy = DraftLengthPolicy(self.num_heads, context.cost_curve) if config.adaptive else None
         self._last: tuple[int, int] | None = None  # (policy key, draft length) of the round
+        self.memory: ContextMemory | None = None  # copy heads: the request's committed context
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
@@ -547,11 +620,32 @@ class MedusaProposer(Proposer):
         self._draft_seconds = time.perf_counter() - tick
         return draft
 
+    def begin(self, state) -> None:
+        self.memory = None if self.heads.copy is None else self.heads.context_memory()
+
+    def _remember(self, state) -> None:
+        """Copy heads: store the positions committed since the last round (the prompt
+        at the first), each with its hidden state, its token and the token after it."""
+        committed = len(state.tokens) - 1  # positions before the pending token
+        start = len(self.memory)
+        hidden = state.committed_hidden  # (c, hidden)
+        if start + len(hidden) != committed:
+            raise RuntimeError(
+                f"the copy heads' memory holds {start} positions and the last pass committed {len(hidden)}, "
+                f"but the request has {committed}: call begin() at each request and propose() every round"
+            )
+        self.memory.extend(hidden, state.tokens[start:committed], state.tokens[start + 1 : committed + 1])
+
     def _propose(self, state) -> Draft:
         sampling = state.sampling
-        outputs = _HeadOutputs(self.heads, state, self.num_heads)
+        if self.heads.copy is not None:
+            if self.memory is None:  # the first request, begin() not called
+                self.memory = self.heads.context_memory()
+            self._remember(state)
+        outputs = _HeadOutputs(self.heads, state, self.num_heads, self.memory)
         root = outputs.root()  # (n,) head 0's logits over the draft vocabulary
         if self.dynamic is not None:
+
             def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
                 outputs.expand(frontier, rows, parents, depth)
                 return torch.stack([outputs.logits[node] for node in frontier])  # (f, n)
@@ -614,7 +708,9 @@ class MedusaProposer(Proposer):
 
     def observe(self, state, acceptance) -> None:
         if self._last_tree is not None and self.dynamic is not None:
-            self.dynamic.record(self._last_tree, follow_tokens(self._last_tree, acceptance.tokens), self._draft_seconds)
+            self.dynamic.record(
+                self._last_tree, follow_tokens(self._last_tree, acceptance.tokens), self._draft_seconds
+            )
             self._last_tree = None
         if self._last_tree is not None and self.tuner is not None:
             self.profile.record(self._last_tree, follow_tokens(self._last_tree, acceptance.tokens))
@@ -627,11 +723,16 @@ class MedusaProposer(Proposer):
 
     def describe(self) -> dict:
         if self.dynamic is not None:
-            return {"num_heads": self.num_heads, "sequential_heads": self.heads.sequential, **self.dynamic.describe()}
+            return {
+                "num_heads": self.num_heads,
+                "sequential_heads": self.heads.sequential,
+                **self.dynamic.describe(),
+            }
         return {
             "draft_length_rates": self.policy.as_dict() if self.policy is not None else None,
             "num_heads": self.num_heads,
             "sequential_heads": self.heads.sequential,
+            "copy_heads": self.heads.copy is not None,
             "tree_nodes": None if self.tree is None else len(self._budget_tree()[0]),
             "tree_budget_auto": self.tuner is not None,
             "acceptance_by_depth_rank": self.profile.as_dict() if self.tuner is not None else None,

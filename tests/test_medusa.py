@@ -15,6 +15,7 @@ from decoders.models import ModelConfig, load_model
 from decoders.registry import verifier_registry
 from decoders.sampling import SamplingConfig, processed_probs
 from decoders.session import ModelSession
+from proposers.copy_attention import mixture
 from proposers.medusa import best_tree, build_tree, load_artifact, save_artifact
 from tests.conftest import random_prompts
 from tests.test_train import train_tiny_medusa
@@ -23,11 +24,18 @@ from train.medusa import Config, build_heads
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["sequential", "medusa1"])
+HEAD_KINDS = {
+    "sequential": ("drafter.sequential=true",),
+    "medusa1": ("drafter.sequential=false",),
+    "copy": ("drafter.sequential=true", "drafter.copy_width=16"),
+}
+
+
+@pytest.fixture(scope="module", params=list(HEAD_KINDS))
 def artifacts(request, tmp_path_factory):
-    """Heads trained for the tiny model: sequential (the default) and Medusa-1."""
+    """Heads trained for the tiny model: sequential (the default), Medusa-1, and copy heads."""
     directory = tmp_path_factory.mktemp("medusa")
-    train_tiny_medusa(directory, (f"drafter.sequential={str(request.param).lower()}",))
+    train_tiny_medusa(directory, HEAD_KINDS[request.param])
     return directory
 
 
@@ -46,13 +54,29 @@ def decode_state(pipeline: Pipeline, prompt: list[int], sampling: SamplingConfig
 
 def reference_logits(heads, state: DecodeState, path: list[int]) -> torch.Tensor:
     """(vocab,) what the head at depth len(path) gives after the drafted ``path``,
-    through the PEFT forward used in training (not the drafting code)."""
+    through the PEFT forward used in training (not the drafting code). Copy heads:
+    the log of the mixture with the pointer, over keys computed here from the prefill."""
     tokens = torch.tensor([state.tokens[-1], *path] + [0] * (heads.num_heads - len(path) - 1))
+    k = len(path)
     with torch.no_grad():
-        rows = heads(state.last_hidden, tokens)[len(path)]  # (n,) over the draft vocabulary
-    full = rows.new_full((heads.vocab_size,), torch.finfo(rows.dtype).min)
-    full[heads.draft_vocab] = rows
-    return full
+        if heads.copy is None:
+            rows = heads(state.last_hidden, tokens)[k]  # (n,) over the draft vocabulary
+            full = rows.new_full((heads.vocab_size,), torch.finfo(rows.dtype).min)
+            full[heads.draft_vocab] = rows
+            return full
+        hidden = state.target.hidden  # (P, hidden) the prefill's rows: the committed positions
+        sequence = torch.tensor(state.tokens)  # prompt + pending
+        before = torch.cat([hidden.new_zeros(1, hidden.shape[-1]), hidden[:-1]])
+        dtype = hidden.dtype
+        context = heads.copy.entries(
+            before, heads.embed(sequence[:-1], dtype), hidden, heads.embed(sequence[1:], dtype)
+        )
+        logits, weights, gates = heads(state.last_hidden[None], tokens[None], (*context, None))
+        probs = mixture(
+            torch.softmax(logits[0, k][None], -1), heads.draft_vocab, heads.vocab_size,
+            weights[0, k][None], gates[0, k].view(1, 1), sequence[1:],
+        )  # fmt: skip
+        return probs[0].log().clamp(min=torch.finfo(probs.dtype).min)
 
 
 def ancestors(draft, node: int) -> list[int]:
@@ -104,10 +128,11 @@ def test_drafts_follow_the_peft_forward_over_the_draft_vocabulary(base):
     proposer = base.with_components({"name": "medusa", "adaptive": False}, "rejection", sampling).proposer
     state = decode_state(base, prompt, sampling)
     draft = proposer.propose(state)
-    outside = torch.ones(320, dtype=torch.bool)
-    outside[heads.draft_vocab] = False
-    assert set(draft.tokens) <= set(heads.draft_vocab.tolist())
-    assert draft.draft_probs[:, outside].sum() == 0
+    if heads.copy is None:  # copy heads may also propose tokens the context holds
+        outside = torch.ones(320, dtype=torch.bool)
+        outside[heads.draft_vocab] = False
+        assert set(draft.tokens) <= set(heads.draft_vocab.tolist())
+        assert draft.draft_probs[:, outside].sum() == 0
     for k in range(len(draft)):
         expected = processed_probs(reference_logits(heads, state, draft.tokens[:k]), sampling)
         torch.testing.assert_close(draft.draft_probs[k], expected)
@@ -140,6 +165,7 @@ def test_save_load_round_trip_gives_identical_proposals(tmp_path, sequential):
     proposer = pipeline.with_components(spec, "greedy").proposer
     for prompt in random_prompts(4, seed=2):
         state = decode_state(pipeline, prompt, SamplingConfig())
+        proposer.begin(state)
         tokens = torch.randint(320, (3,))
         with torch.no_grad():
             assert torch.equal(loaded(state.last_hidden, tokens), heads(state.last_hidden, tokens))
@@ -253,7 +279,11 @@ def test_dynamic_tree_nodes_are_their_parents_top_children(base):
     assert not proposer.sampled
     state = decode_state(base, random_prompts(1, seed=4)[0], SamplingConfig())
     draft = proposer.propose(state)
-    assert len(draft) == 3 + (proposer.num_heads - 1) * 3 * 3 and not draft.is_chain and draft.draft_probs is None
+    assert (
+        len(draft) == 3 + (proposer.num_heads - 1) * 3 * 3
+        and not draft.is_chain
+        and draft.draft_probs is None
+    )
     for node in range(len(draft)):
         top = reference_logits(proposer.heads, state, ancestors(draft, node)).topk(3).indices.tolist()
         assert draft.tokens[node] in top

@@ -29,12 +29,15 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
+from decoders.session import ModelSession
+from proposers.copy_attention import mixture
 from proposers.medusa import CONFIG_FILE, LORA_TARGETS, MedusaHeads, best_tree, load_artifact, save_artifact
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
@@ -54,6 +57,10 @@ class Config(FitConfig):
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
     head_decay: float = 0.8  # loss weight of head k is head_decay ** k
+    copy_width: int = (
+        0  # > 0: copy heads, a pointer into the context of this width (proposers/copy_attention.py)
+    )
+    copy_batch_size: int = 4  # copy heads: sequences per step (they train on whole sequences)
     tree_nodes: int = 16  # size of the default tree stored with the artifact
     top_ranks: int = 10  # ranks whose accuracy is measured (tree candidates)
     eval_batch_size: int = 512
@@ -77,32 +84,26 @@ def train(job: TrainJob) -> Path:
     vocab_size, hidden_size = lm_head.weight.shape
     draft_vocab = draft_vocabulary(training, vocab_size, cfg.draft_vocab_size)
     heads, peft_heads = build_heads(lm_head, cfg, draft_vocab, embeddings)
-    rows = training_rows(training, cfg.num_heads)
-    rows["targets"] = vocab_index(rows["labels"], draft_vocab, vocab_size)
-    print(f"[train] medusa: {len(rows['hidden'])} training positions from {len(training)} sequences "
+    weights = torch.tensor([cfg.head_decay**k for k in range(cfg.num_heads)], device=heads.device)  # (K,)
+    if cfg.copy_width:
+        rows = context_rows(job.pipeline, training)
+        positions = int((rows["length"] - rows["prompt_len"] - 1).sum())
+        loss_fn = copy_loss(heads, peft_heads, weights)
+        fit_cfg = replace(cfg, batch_size=cfg.copy_batch_size)
+    else:
+        rows = training_rows(training, cfg.num_heads)
+        rows["targets"] = vocab_index(rows["labels"], draft_vocab, vocab_size)
+        positions = len(rows["hidden"])
+        loss_fn = head_loss(heads, peft_heads, weights, cfg.num_heads)
+        fit_cfg = cfg
+    print(f"[train] medusa: {positions} training positions from {len(training)} sequences "
           f"({len(heldout)} held out); draft vocabulary {len(draft_vocab) if draft_vocab is not None else 'all'} "
           f"tokens, covering {coverage(draft_vocab, heldout):.1%} of held-out response tokens",
           file=sys.stderr)  # fmt: skip
-    weights = torch.tensor([cfg.head_decay**k for k in range(cfg.num_heads)], device=heads.device)  # (K,)
 
-    def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = peft_heads(
-            batch["hidden"].to(heads.device, heads.dtype), head_inputs(batch).to(heads.device)
-        )  # (B, K, n)
-        targets = batch["targets"].to(heads.device)  # (B, K) row in the draft vocabulary, or IGNORE
-        losses = nn.functional.cross_entropy(
-            logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none"
-        )  # (B, K)
-        in_vocab = targets != IGNORE  # (B, K)
-        per_head = (losses * in_vocab).sum(0) / in_vocab.sum(0).clamp(min=1)  # (K,)
-        correct = (logits.argmax(-1) == targets) & in_vocab  # (B, K)
-        accuracy = correct.sum(0).cpu() / (batch["labels"] != IGNORE).sum(0).clamp(min=1)  # (K,)
-        metrics = {f"top1/head{k}": float(accuracy[k]) for k in range(cfg.num_heads)}
-        return (per_head * weights).sum(), metrics
-
-    fingerprint = _fingerprint(job, cfg, len(rows["hidden"]))
+    fingerprint = _fingerprint(job, cfg, positions)
     checkpoint = job.output_dir / "checkpoint.pt"
-    last = fit(heads, rows, loss_fn, cfg, checkpoint, fingerprint, job.logger, resume=job.resume)
+    last = fit(heads, rows, loss_fn, fit_cfg, checkpoint, fingerprint, job.logger, resume=job.resume)
 
     metrics = measure(job, heads, heldout, cfg)
     heldout_metrics = metrics.pop("heldout")
@@ -111,6 +112,7 @@ def train(job: TrainJob) -> Path:
         "target": job.pipeline.context.target_key,
         "num_heads": cfg.num_heads,
         "sequential": cfg.sequential,
+        "copy_width": cfg.copy_width,
         "hidden_size": hidden_size,
         "vocab_size": vocab_size,
         "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
@@ -123,7 +125,7 @@ def train(job: TrainJob) -> Path:
             "config": asdict(cfg),
             "data": asdict(job.data_config),
             "sequences": len(training),
-            "positions": len(rows["hidden"]),
+            "positions": positions,
         },
     }
     save_artifact(peft_heads, job.output_dir, meta)
@@ -134,13 +136,13 @@ def train(job: TrainJob) -> Path:
 def measure(job: TrainJob, heads: MedusaHeads, heldout: list[Sequence], cfg: Config) -> dict[str, dict]:
     """Accuracies on the held-out sequences and, if ``train.eval.path`` is set, on its
     prompts, overall and per category; printed and logged to W&B."""
-    metrics = {"heldout": evaluate(heads, heldout, cfg)}
+    metrics = {"heldout": evaluate(heads, heldout, cfg, job.pipeline)}
     evaluation = job.eval_sequences()
     if evaluation:
-        metrics["eval"] = evaluate(heads, evaluation, cfg)
+        metrics["eval"] = evaluate(heads, evaluation, cfg, job.pipeline)
         for category in sorted({s.category for s in evaluation}):
             metrics[f"eval/{category}"] = evaluate(
-                heads, [s for s in evaluation if s.category == category], cfg
+                heads, [s for s in evaluation if s.category == category], cfg, job.pipeline
             )
     for split, values in metrics.items():
         print(f"[train] {split}: " + format_metrics(values), file=sys.stderr)
@@ -168,7 +170,9 @@ def build_heads(
     if cfg.sequential and embeddings.weight.dtype != torch.float32:
         embeddings = nn.Embedding.from_pretrained(embeddings.weight.detach().float(), freeze=True)
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are random
-    heads = MedusaHeads(lm_head, cfg.num_heads, draft_vocab, embeddings if cfg.sequential else None)
+    heads = MedusaHeads(
+        lm_head, cfg.num_heads, draft_vocab, embeddings if cfg.sequential else None, cfg.copy_width
+    )
     lora = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
@@ -241,6 +245,134 @@ def training_rows(sequences: list[Sequence], num_heads: int) -> dict[str, torch.
     }
 
 
+def head_loss(heads: MedusaHeads, peft_heads: nn.Module, weights: torch.Tensor, num_heads: int):
+    """The loss of heads without copy attention on rows of :func:`training_rows`:
+    sum_k weights[k] * cross-entropy of head k over the draft vocabulary."""
+
+    def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = peft_heads(
+            batch["hidden"].to(heads.device, heads.dtype), head_inputs(batch).to(heads.device)
+        )  # (B, K, n)
+        targets = batch["targets"].to(heads.device)  # (B, K) row in the draft vocabulary, or IGNORE
+        losses = nn.functional.cross_entropy(
+            logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none"
+        )  # (B, K)
+        in_vocab = targets != IGNORE  # (B, K)
+        per_head = (losses * in_vocab).sum(0) / in_vocab.sum(0).clamp(min=1)  # (K,)
+        correct = (logits.argmax(-1) == targets) & in_vocab  # (B, K)
+        accuracy = correct.sum(0).cpu() / (batch["labels"] != IGNORE).sum(0).clamp(min=1)  # (K,)
+        metrics = {f"top1/head{k}": float(accuracy[k]) for k in range(num_heads)}
+        return (per_head * weights).sum(), metrics
+
+    return loss_fn
+
+
+def context_rows(pipeline, sequences: list[Sequence]) -> dict[str, torch.Tensor]:
+    """Whole sequences for copy heads, padded: tokens (S, L) prompt + response, hidden
+    (S, L - 1, hidden) float16 the target's final hidden state at every position but the
+    last (the prompt's from one target pass over it, the response's from the data),
+    prompt_len (S,) and length (S,), for sequences with a head-0 label."""
+    kept = [s for s in sequences if len(s.response) >= 2 and s.hidden is not None]
+    if not kept:
+        raise ValueError("no training sequence has two or more response tokens; generate longer responses")
+    length = max(len(s.prompt) + len(s.response) for s in kept)
+    hidden_size = kept[0].hidden.shape[-1]
+    tokens = torch.zeros(len(kept), length, dtype=torch.long)
+    hidden = torch.zeros(len(kept), length - 1, hidden_size, dtype=torch.float16)
+    session = ModelSession(pipeline.model)
+    for i, sequence in enumerate(tqdm(kept, desc="prompt hidden states", unit="seq")):
+        prompt = list(sequence.prompt)
+        if len(prompt) > 1:  # positions 0 .. P-2; the response's rows start at P-1
+            session.reset()
+            session.forward(prompt[:-1], last_only=True)
+            hidden[i, : len(prompt) - 1] = session.hidden.to(torch.float16).cpu()
+        n = len(prompt) + len(sequence.response)
+        tokens[i, :n] = torch.tensor(prompt + sequence.response)
+        hidden[i, len(prompt) - 1 : n - 1] = sequence.hidden[: len(sequence.response)].to(torch.float16)
+    return {
+        "tokens": tokens,
+        "hidden": hidden,
+        "prompt_len": torch.tensor([len(s.prompt) for s in kept]),
+        "length": torch.tensor([len(s.prompt) + len(s.response) for s in kept]),
+    }
+
+
+def sequence_views(batch: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
+    """A batch of :func:`context_rows` as head rows and context: hidden (B, R, hidden)
+    the h at each response position t that has a head-0 label, inputs and labels
+    (B, R, K) as in :func:`training_rows` (IGNORE where there is none), before, hidden_all
+    (B, L - 1, hidden) the h_(j-1) and h_j of positions j, current and following (B, L - 1)
+    the x_j and x_(j+1), and mask (B, R, L - 1): position j is committed when t is
+    drafted from (j <= t)."""
+    tokens, lengths, prompt_len = batch["tokens"], batch["length"], batch["prompt_len"]
+    length = int(lengths.max())
+    tokens = tokens[:, :length]
+    hidden = batch["hidden"][:, : length - 1].float()  # (B, L - 1, hidden)
+    rows = int((lengths - prompt_len - 1).max())  # response positions with a head-0 label
+    r = torch.arange(rows)
+    t = (prompt_len[:, None] - 1 + r[None]).clamp(max=length - 2)  # (B, R) query positions
+    valid = r[None] < (lengths - prompt_len - 1)[:, None]  # (B, R)
+    padded = torch.cat([tokens, torch.full((len(tokens), num_heads + 2), IGNORE)], dim=1)
+    ahead = t[..., None] + 1 + torch.arange(num_heads + 1)  # (B, R, K + 1) positions t+1 .. t+K+1
+    ahead_tokens = padded.gather(1, ahead.flatten(1)).view(*ahead.shape)
+    ahead_tokens = torch.where(ahead < lengths[:, None, None], ahead_tokens, IGNORE)
+    labels = torch.where(valid[..., None], ahead_tokens[..., 1:], IGNORE)  # (B, R, K)
+    positions = torch.arange(length - 1)
+    return {
+        "hidden": hidden.gather(1, t[..., None].expand(-1, -1, hidden.shape[-1])),  # (B, R, hidden)
+        "inputs": torch.where(valid[..., None], ahead_tokens[..., :-1], IGNORE),  # (B, R, K) y_0 .. y_K-1
+        "labels": labels,
+        "before": torch.cat([hidden.new_zeros(len(hidden), 1, hidden.shape[-1]), hidden[:, :-1]], dim=1),
+        "hidden_all": hidden,
+        "current": tokens[:, :-1],
+        "following": tokens[:, 1:],
+        "mask": (positions[None, None] <= t[..., None])
+        & (positions[None, None] < (lengths - 1)[:, None, None]),
+    }
+
+
+def copy_forward(heads: MedusaHeads, forward: nn.Module, view: dict[str, torch.Tensor]):
+    """Copy heads on a :func:`sequence_views` batch through ``forward`` (the heads or their
+    PeftModel) -> (logits (B, R, K, n), pointer weights (B, R, K, L - 1), gates (B, R, K))."""
+    device, dtype = heads.device, heads.dtype
+    keys, values = heads.copy.entries(
+        view["before"].to(device, dtype),
+        heads.embed(view["current"].to(device), dtype),
+        view["hidden_all"].to(device, dtype),
+        heads.embed(view["following"].to(device), dtype),
+    )
+    return forward(
+        view["hidden"].to(device, dtype), view["inputs"].to(device), (keys, values, view["mask"].to(device))
+    )
+
+
+def copy_loss(heads: MedusaHeads, peft_heads: nn.Module, weights: torch.Tensor):
+    """The loss of copy heads on whole sequences: sum_k weights[k] * the mean of
+    -log p_k(label), p_k the mixture of head k and its pointer (labels outside the draft
+    vocabulary count too: the pointer can give them)."""
+
+    def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        view = sequence_views(batch, heads.num_heads)
+        logits, pointer, gates = copy_forward(heads, peft_heads, view)
+        labels = view["labels"].to(heads.device)  # (B, R, K)
+        rows = vocab_index(labels.cpu(), heads.draft_vocab, heads.vocab_size).to(heads.device)  # (B, R, K)
+        head_probs = torch.log_softmax(logits, -1).gather(-1, rows.clamp(min=0)[..., None])[..., 0].exp()
+        head_probs = head_probs * (rows != IGNORE)  # (B, R, K)
+        following = view["following"].to(heads.device)[:, None, None, :]  # (B, 1, 1, L - 1)
+        copied = (pointer * (following == labels[..., None])).sum(-1)  # (B, R, K)
+        probs = gates * head_probs + (1 - gates) * copied  # (B, R, K) the mixture's mass on the label
+        present = labels != IGNORE
+        losses = -torch.log(probs.clamp(min=1e-9)) * present
+        counts = present.sum((0, 1)).clamp(min=1)  # (K,)
+        per_head = losses.sum((0, 1)) / counts  # (K,)
+        mean_probs = (probs.detach() * present).sum((0, 1)) / counts  # (K,)
+        metrics = {f"p_label/head{k}": float(mean_probs[k]) for k in range(heads.num_heads)}
+        metrics["gate"] = float((gates.detach() * present).sum() / present.sum().clamp(min=1))
+        return (per_head * weights).sum(), metrics
+
+    return loss_fn
+
+
 def head_inputs(rows: dict[str, torch.Tensor]) -> torch.Tensor:
     """(N, K) the tokens y_k sequential heads read, teacher-forced: the pending token,
     then each earlier head's label (IGNORE past the response, where the labels are too)."""
@@ -248,40 +380,75 @@ def head_inputs(rows: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(heads: MedusaHeads, sequences: list[Sequence], cfg: Config) -> dict:
+def evaluate(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, pipeline=None) -> dict:
     """Per-head accuracies on ``sequences``: top1, top5, rank_accuracy[k][r] (head k's
     rank-r token is right), chain_tau (tokens per pass of a greedy chain), and the
-    draft vocabulary's coverage of the response tokens."""
-    rows = training_rows(sequences, cfg.num_heads)
-    all_inputs = head_inputs(rows)  # (N, K)
+    draft vocabulary's coverage of the response tokens. Copy heads are ranked by their
+    mixture with the pointer and need the ``pipeline`` (for the prompts' hidden states)."""
     rank_hits = torch.zeros(cfg.num_heads, cfg.top_ranks)  # (K, ranks)
     label_counts = torch.zeros(cfg.num_heads)  # (K,)
-    accepted = 0.0
-    for start in range(0, len(rows["hidden"]), cfg.eval_batch_size):
-        hidden = rows["hidden"][start : start + cfg.eval_batch_size].to(
-            heads.device, heads.dtype
-        )  # (B, hidden)
-        labels = rows["labels"][start : start + cfg.eval_batch_size]  # (B, K)
-        inputs = all_inputs[start : start + cfg.eval_batch_size].to(heads.device)  # (B, K)
-        ranked = (
-            heads(hidden, inputs).topk(cfg.top_ranks, dim=-1).indices.cpu()
-        )  # (B, K, ranks) rows of the draft vocab; sequential heads read the right earlier tokens
-        if heads.draft_vocab is not None:
-            ranked = heads.draft_vocab.cpu()[ranked]  # token ids
-        hits = ranked == labels[..., None]  # (B, K, ranks); IGNORE never matches
+    accepted, positions = 0.0, 0
+    for ranked, labels in _ranked_tokens(heads, sequences, cfg, pipeline):
+        hits = ranked == labels[..., None]  # (N, K, ranks); IGNORE never matches
         rank_hits += hits.sum(0)
         label_counts += (labels != IGNORE).sum(0)
-        top1 = hits[..., 0].long()  # (B, K)
-        accepted += float(top1.cumprod(dim=1).sum())  # leading heads that are right, summed over rows
+        accepted += float(hits[..., 0].long().cumprod(dim=1).sum())  # leading heads that are right
+        positions += len(labels)
     rank_accuracy = rank_hits / label_counts.clamp(min=1)[:, None]  # (K, ranks)
     return {
-        "positions": len(rows["hidden"]),
+        "positions": positions,
         "top1": [round(float(a), 4) for a in rank_accuracy[:, 0]],
         "top5": [round(float(a), 4) for a in rank_accuracy[:, :5].sum(1)],
         "rank_accuracy": [[round(float(a), 4) for a in head] for head in rank_accuracy],
-        "chain_tau": round(1 + accepted / max(len(rows["hidden"]), 1), 4),
+        "chain_tau": round(1 + accepted / max(positions, 1), 4),
         "draft_vocab_coverage": round(coverage(heads.draft_vocab, sequences), 4),
     }
+
+
+def _ranked_tokens(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, pipeline):
+    """Batches of (ranked (N, K, ranks) token ids each head puts first, labels (N, K)),
+    one row per response position with a head-0 label; sequential heads read the right
+    earlier tokens (teacher-forced, as a greedy chain that is still right would)."""
+    if heads.copy is None:
+        rows = training_rows(sequences, cfg.num_heads)
+        all_inputs = head_inputs(rows)  # (N, K)
+        for start in range(0, len(rows["hidden"]), cfg.eval_batch_size):
+            hidden = rows["hidden"][start : start + cfg.eval_batch_size].to(heads.device, heads.dtype)
+            inputs = all_inputs[start : start + cfg.eval_batch_size].to(heads.device)  # (B, K)
+            ranked = heads(hidden, inputs).topk(cfg.top_ranks, dim=-1).indices.cpu()  # (B, K, ranks) rows
+            yield (
+                heads.token_ids(ranked) if heads.draft_vocab is None else heads.draft_vocab.cpu()[ranked],
+                (rows["labels"][start : start + cfg.eval_batch_size]),
+            )
+        return
+    if pipeline is None:
+        raise ValueError("evaluating copy heads needs the pipeline (the prompts' hidden states)")
+    rows = context_rows(pipeline, sequences)
+    per_batch = max(1, cfg.eval_batch_size // 128)  # sequences per batch, ~128 response positions each
+    for start in range(0, len(rows["tokens"]), per_batch):
+        view = sequence_views(
+            {key: value[start : start + per_batch] for key, value in rows.items()}, cfg.num_heads
+        )
+        logits, pointer, gates = copy_forward(heads, heads, view)
+        valid = view["labels"][..., 0] != IGNORE  # (B, R)
+        following = view["following"].to(heads.device)  # (B, L - 1)
+        ranked = []
+        for k in range(cfg.num_heads):
+            probs = torch.stack(
+                [
+                    mixture(
+                        torch.softmax(logits[b, :, k], -1),
+                        heads.draft_vocab,
+                        heads.vocab_size,
+                        pointer[b, :, k],
+                        gates[b, :, k, None],
+                        following[b],
+                    )
+                    for b in range(len(logits))
+                ]
+            )  # (B, R, vocab)
+            ranked.append(probs.topk(cfg.top_ranks, dim=-1).indices.cpu())  # (B, R, ranks)
+        yield torch.stack(ranked, dim=2)[valid], view["labels"][valid]  # (N, K, ranks), (N, K)
 
 
 def format_metrics(metrics: dict) -> str:

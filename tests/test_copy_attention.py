@@ -1,0 +1,153 @@
+"""Copy heads: the pointer's mixture, the request memory the proposer keeps across
+verification passes, and the whole-sequence training rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoders.session import ModelSession
+from proposers.copy_attention import ContextMemory, CopyAttention, mixture
+from tests.conftest import random_prompts
+from tests.test_train import train_tiny_medusa
+from train.data import Sequence
+from train.medusa import IGNORE, head_inputs, sequence_views, training_rows
+
+
+def test_mixture_is_a_distribution_that_gives_the_pointer_its_share():
+    head = torch.softmax(torch.randn(3, 5, dtype=torch.float64), -1)  # (R, n)
+    draft_vocab = torch.tensor([1, 4, 7, 8, 9])
+    weights = torch.softmax(torch.randn(3, 6, dtype=torch.float64), -1)  # (R, L)
+    gate = torch.tensor([[0.2], [0.9], [1.0]], dtype=torch.float64)
+    following = torch.tensor([2, 2, 4, 11, 0, 4])  # outside the draft vocabulary too
+    probs = mixture(head, draft_vocab, 12, weights, gate, following)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, dtype=torch.float64))
+    expected_2 = (1 - gate[:, 0]) * (weights[:, 0] + weights[:, 1])
+    torch.testing.assert_close(probs[:, 2], expected_2)
+    expected_4 = gate[:, 0] * head[:, 1] + (1 - gate[:, 0]) * (weights[:, 2] + weights[:, 5])
+    torch.testing.assert_close(probs[:, 4], expected_4)
+    assert probs[2, 11] == 0  # gate 1: the head alone
+
+
+@torch.no_grad()
+def test_a_fresh_pointer_looks_for_the_same_token():
+    torch.manual_seed(0)
+    embeddings = torch.nn.Embedding(50, 32).double()
+    attention = CopyAttention(32, num_heads=2, width=16).double()
+    memory = ContextMemory(attention, embeddings)
+    tokens = [5, 9, 3, 7, 1, 8]  # x_j; 3 sits at position 2 and is followed by 7
+    hidden = torch.randn(len(tokens), 32, dtype=torch.float64)
+    memory.extend(hidden, tokens, tokens[1:] + [3])
+    state = torch.randn(1, 32, dtype=torch.float64)
+    weights, gate = attention.point(0, state, embeddings(torch.tensor([3])), memory.keys, memory.values)
+    assert int(weights.argmax()) == 2 and float(weights[0, 2]) > 0.5
+    assert 0.8 < float(gate) < 0.85  # a fresh gate leaves most of the mass to the head
+    empty = ContextMemory(attention, embeddings)
+    weights, gate = attention.point(1, state, embeddings(torch.tensor([3])), empty.keys, empty.values)
+    assert weights.shape == (1, 0) and float(gate) == 1.0
+
+
+def test_memory_grown_in_pieces_equals_one_pass():
+    torch.manual_seed(1)
+    embeddings = torch.nn.Embedding(40, 16).double()
+    attention = CopyAttention(16, num_heads=1, width=8).double()
+    tokens = torch.randint(40, (11,)).tolist()
+    hidden = torch.randn(10, 16, dtype=torch.float64)
+    whole = ContextMemory(attention, embeddings)
+    whole.extend(hidden, tokens[:10], tokens[1:])
+    pieces = ContextMemory(attention, embeddings)
+    for start, end in [(0, 4), (4, 5), (5, 10)]:
+        pieces.extend(hidden[start:end], tokens[start:end], tokens[start + 1 : end + 1])
+    assert len(pieces) == 10
+    torch.testing.assert_close(pieces.keys, whole.keys)
+    torch.testing.assert_close(pieces.values, whole.values)
+    assert torch.equal(pieces.following, whole.following)
+    with pytest.raises(ValueError, match="hidden states"):
+        pieces.extend(hidden[:2], tokens[:3], tokens[1:4])
+
+
+@pytest.fixture(scope="module")
+def copy_artifacts(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("copy")
+    train_tiny_medusa(directory, ("drafter.copy_width=16",))
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("proposer", "verifier"),
+    [({"name": "medusa"}, "greedy"), ({"name": "medusa", "tree": "auto"}, "tree")],
+    ids=["chain", "tree"],
+)
+def test_the_proposers_memory_matches_the_committed_text(
+    tiny_model, tiny_config, copy_artifacts, proposer, verifier
+):
+    """After speculative rounds (accepted paths compacted out of trees), the memory holds
+    exactly the keys and values a single target pass over the committed text gives."""
+    from decoders import Pipeline
+
+    model, tokenizer = tiny_model
+    base = Pipeline(
+        model, tokenizer, model_config=tiny_config, artifacts_dir=copy_artifacts, max_new_tokens=32
+    )
+    pipeline = base.with_components(proposer, verifier)
+    heads = pipeline.proposer.heads
+    for prompt in random_prompts(2, seed=5):
+        result = pipeline.generate(prompt, 30)
+        assert result.stats.accepted > 0
+        memory = pipeline.proposer.memory
+        committed = len(memory)
+        text = list(prompt) + result.tokens
+        assert len(prompt) < committed < len(text)
+        session = ModelSession(model)
+        session.forward(text[:committed])
+        hidden = session.hidden  # (committed, hidden)
+        before = torch.cat([hidden.new_zeros(1, hidden.shape[-1]), hidden[:-1]])
+        dtype = hidden.dtype
+        keys, values = heads.copy.entries(
+            before,
+            heads.embed(torch.tensor(text[:committed]), dtype),
+            hidden,
+            heads.embed(torch.tensor(text[1 : committed + 1]), dtype),
+        )
+        torch.testing.assert_close(memory.keys, keys)
+        torch.testing.assert_close(memory.values, values)
+        assert memory.following.tolist() == text[1 : committed + 1]
+
+
+def test_whole_sequence_rows_are_the_position_rows():
+    """The copy heads' rows (whole sequences) hold the same head inputs, labels and
+    hidden states as the per-position rows other heads train on, plus a causal mask."""
+    torch.manual_seed(2)
+    sequences = []
+    for i, (prompt_len, response_len) in enumerate([(3, 6), (5, 2), (1, 4)]):
+        tokens = torch.randint(100, (prompt_len + response_len,)).tolist()
+        hidden = torch.randn(prompt_len + response_len - 1, 8)  # positions 0 .. L-2
+        sequences.append(
+            (
+                Sequence(
+                    f"s{i}", "x", tokens[:prompt_len], tokens[prompt_len:], hidden[prompt_len - 1 :].half()
+                ),
+                hidden,
+            )
+        )
+    length = max(len(s.prompt) + len(s.response) for s, _ in sequences)
+    batch = {
+        "tokens": torch.zeros(3, length, dtype=torch.long),
+        "hidden": torch.zeros(3, length - 1, 8, dtype=torch.float16),
+        "prompt_len": torch.tensor([len(s.prompt) for s, _ in sequences]),
+        "length": torch.tensor([len(s.prompt) + len(s.response) for s, _ in sequences]),
+    }
+    for i, (s, hidden) in enumerate(sequences):
+        n = len(s.prompt) + len(s.response)
+        batch["tokens"][i, :n] = torch.tensor(s.prompt + s.response)
+        batch["hidden"][i, : n - 1] = hidden.half()
+    view = sequence_views(batch, num_heads=3)
+    valid = view["labels"][..., 0] != IGNORE
+    rows = training_rows([s for s, _ in sequences], 3)
+    assert torch.equal(view["labels"][valid], rows["labels"])
+    assert torch.equal(view["inputs"][valid], head_inputs(rows))
+    torch.testing.assert_close(view["hidden"][valid], rows["hidden"].float())
+    # the first sequence's first query (t = 2) may read positions 0..2 only
+    assert view["mask"][0, 0].tolist()[: length - 1] == [True, True, True] + [False] * (length - 4)
+    # the second sequence (5 + 2 tokens) has one query; padding is never read
+    assert view["mask"][1, 0].tolist() == [True] * 5 + [False] * (length - 6)
