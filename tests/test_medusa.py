@@ -26,7 +26,7 @@ TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 HEAD_KINDS = {
     "sequential": ("drafter.sequential=true",),
-    "medusa1": ("drafter.sequential=false",),
+    "medusa1": ("drafter.sequential=false", "drafter.copy_width=0"),
     "copy": ("drafter.sequential=true", "drafter.copy_width=16"),
 }
 
@@ -145,7 +145,7 @@ def test_save_load_round_trip_gives_identical_proposals(tmp_path, sequential):
     draft_vocab = torch.randperm(320)[:100].sort().values
     heads, peft_heads = build_heads(
         model.get_output_embeddings(),
-        Config(num_heads=3, lora_rank=4, sequential=sequential),
+        Config(num_heads=3, lora_rank=4, sequential=sequential, copy_width=0),
         draft_vocab,
         model.get_input_embeddings(),
     )

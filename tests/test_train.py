@@ -37,6 +37,7 @@ TINY_RECIPE = [
     "train.data.batch_size=16",
     "train.data.heldout=0.2",
     "drafter.lora_rank=4",
+    "drafter.copy_width=0",  # plain heads; tests/test_copy_attention.py and test_medusa.py train copy heads
     "drafter.epochs=6",
     "drafter.batch_size=64",
     "drafter.lr=0.01",
@@ -191,7 +192,7 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
     data_cfg = to_dataclass(DataConfig, compose_train(TINY_RECIPE).train.data, "train.data")
     sequences = self_distilled(pipeline, data_cfg, tmp_path / pipeline.context.target_key / "data")
     _, heldout = split_heldout(sequences, data_cfg.heldout)
-    drafter_cfg = Config(num_heads=4, lora_rank=4)
+    drafter_cfg = Config(num_heads=4, lora_rank=4, copy_width=0)
     embeddings = model.get_input_embeddings()
     trained = load_artifact(artifact, model.get_output_embeddings(), embeddings).heads
     assert trained.sequential  # the default

@@ -57,9 +57,7 @@ class Config(FitConfig):
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
     head_decay: float = 0.8  # loss weight of head k is head_decay ** k
-    copy_width: int = (
-        0  # > 0: copy heads, a pointer into the context of this width (proposers/copy_attention.py)
-    )
+    copy_width: int = 128  # copy heads' pointer width (proposers/copy_attention.py); 0 = plain heads
     copy_batch_size: int = 4  # copy heads: sequences per step (they train on whole sequences)
     tree_nodes: int = 16  # size of the default tree stored with the artifact
     top_ranks: int = 10  # ranks whose accuracy is measured (tree candidates)
