@@ -183,13 +183,21 @@ class MedusaHeads(nn.Module):
         """The target's input embeddings of ``tokens`` (...), (..., hidden)."""
         return self._embeddings[0](tokens.clamp(min=0)).to(dtype)
 
-    def state(self, k: int, previous: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    def state(
+        self,
+        k: int,
+        previous: torch.Tensor,
+        tokens: torch.Tensor | None,
+        embedded: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Head k's state: previous (..., hidden) is ``h`` for Medusa heads and for the
         first sequential head, head k-1's state otherwise; tokens (...) the y_k above
-        (ignored by Medusa heads, whose states all read ``h``)."""
+        (ignored by Medusa heads, whose states all read ``h``), or ``embedded`` their
+        embeddings if already looked up."""
         if not self.sequential:
             return self.blocks[k](previous)
-        embedded = self.embed(tokens, previous.dtype)  # (..., hidden)
+        if embedded is None:
+            embedded = self.embed(tokens, previous.dtype)  # (..., hidden)
         return self.blocks[k](self.inputs[k](torch.cat([previous, embedded], dim=-1)))
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, context=None):
@@ -204,12 +212,14 @@ class MedusaHeads(nn.Module):
         logits, weights, gates, state = [], [], [], hidden
         for k, lm in enumerate(self.lm_heads):
             token = None if tokens is None else tokens[..., k]
+            embedded = None
             if context is not None:
                 keys, values, mask = context
-                weight, gate = self.copy.point(k, state, self.embed(token, state.dtype), keys, values, mask)
+                embedded = self.embed(token, state.dtype)
+                weight, gate = self.copy.point(k, state, embedded, keys, values, mask)
                 weights.append(weight)
                 gates.append(gate)
-            state = self.state(k, state if self.sequential else hidden, token)
+            state = self.state(k, state if self.sequential else hidden, token, embedded)
             logits.append(lm(state))
         if context is None:
             return torch.stack(logits, dim=-2)
@@ -233,15 +243,15 @@ class MedusaHeads(nn.Module):
 
         Copy heads read ``memory`` and give log-probabilities of the mixture with their
         pointer over the whole vocabulary instead, (B, vocab)."""
-        state = self.state(k, previous, tokens)
-        logits = self.projection.head_logits(k, state)  # (B, n)
         if self.copy is None:
-            return state, logits
+            state = self.state(k, previous, tokens)
+            return state, self.projection.head_logits(k, state)  # (B, n)
         if memory is None:
             raise ValueError("copy heads draft from the request's context: pass its ContextMemory")
-        weights, gate = self.copy.point(
-            k, previous, self.embed(tokens, previous.dtype), memory.keys, memory.values
-        )
+        embedded = self.embed(tokens, previous.dtype)  # (B, hidden)
+        state = self.state(k, previous, tokens, embedded)
+        logits = self.projection.head_logits(k, state)  # (B, n)
+        weights, gate = self.copy.point(k, previous, embedded, memory.keys, memory.values)
         probs = mixture(
             torch.softmax(logits.float(), -1),
             self.draft_vocab,

@@ -414,10 +414,9 @@ def _ranked_tokens(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, p
             hidden = rows["hidden"][start : start + cfg.eval_batch_size].to(heads.device, heads.dtype)
             inputs = all_inputs[start : start + cfg.eval_batch_size].to(heads.device)  # (B, K)
             ranked = heads(hidden, inputs).topk(cfg.top_ranks, dim=-1).indices.cpu()  # (B, K, ranks) rows
-            yield (
-                heads.token_ids(ranked) if heads.draft_vocab is None else heads.draft_vocab.cpu()[ranked],
-                (rows["labels"][start : start + cfg.eval_batch_size]),
-            )
+            if heads.draft_vocab is not None:
+                ranked = heads.draft_vocab.cpu()[ranked]  # token ids
+            yield ranked, rows["labels"][start : start + cfg.eval_batch_size]
         return
     if pipeline is None:
         raise ValueError("evaluating copy heads needs the pipeline (the prompts' hidden states)")
