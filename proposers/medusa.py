@@ -141,7 +141,8 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"Medusa needs at least one head, got num_heads={num_heads}")
         if copy_width and embeddings is None:
             raise ValueError(
-                "copy heads must be sequential (drafter.sequential=true): they read the drafted tokens"
+                "copy heads must be sequential (they read the drafted tokens): set drafter.sequential=true, "
+                "or drafter.copy_width=0 for Medusa-1 heads"
             )
         self.num_heads = num_heads
         self.vocab_size, hidden_size = lm_head.weight.shape

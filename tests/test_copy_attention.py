@@ -14,6 +14,16 @@ from train.data import Sequence
 from train.medusa import IGNORE, head_inputs, sequence_views, training_rows
 
 
+def entries_of(heads, hidden: torch.Tensor, text: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions 0 .. len(text) - 2 computed in one go (not through
+    ContextMemory): hidden (len(text) - 1, hidden) the target's states there."""
+    before = torch.cat([hidden.new_zeros(1, hidden.shape[-1]), hidden[:-1]])
+    tokens = torch.tensor(text)
+    return heads.copy.entries(
+        before, heads.embed(tokens[:-1], hidden.dtype), hidden, heads.embed(tokens[1:], hidden.dtype)
+    )
+
+
 def test_mixture_is_a_distribution_that_gives_the_pointer_its_share():
     head = torch.softmax(torch.randn(3, 5, dtype=torch.float64), -1)  # (R, n)
     draft_vocab = torch.tensor([1, 4, 7, 8, 9])
@@ -100,15 +110,7 @@ def test_the_proposers_memory_matches_the_committed_text(
         assert len(prompt) < committed < len(text)
         session = ModelSession(model)
         session.forward(text[:committed])
-        hidden = session.hidden  # (committed, hidden)
-        before = torch.cat([hidden.new_zeros(1, hidden.shape[-1]), hidden[:-1]])
-        dtype = hidden.dtype
-        keys, values = heads.copy.entries(
-            before,
-            heads.embed(torch.tensor(text[:committed]), dtype),
-            hidden,
-            heads.embed(torch.tensor(text[1 : committed + 1]), dtype),
-        )
+        keys, values = entries_of(heads, session.hidden, text[: committed + 1])
         torch.testing.assert_close(memory.keys, keys)
         torch.testing.assert_close(memory.values, values)
         assert memory.following.tolist() == text[1 : committed + 1]

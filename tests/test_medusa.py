@@ -18,6 +18,7 @@ from decoders.session import ModelSession
 from proposers.copy_attention import mixture
 from proposers.medusa import best_tree, build_tree, load_artifact, save_artifact
 from tests.conftest import random_prompts
+from tests.test_copy_attention import entries_of
 from tests.test_train import train_tiny_medusa
 from train.medusa import Config, build_heads
 
@@ -64,13 +65,8 @@ def reference_logits(heads, state: DecodeState, path: list[int]) -> torch.Tensor
             full = rows.new_full((heads.vocab_size,), torch.finfo(rows.dtype).min)
             full[heads.draft_vocab] = rows
             return full
-        hidden = state.target.hidden  # (P, hidden) the prefill's rows: the committed positions
         sequence = torch.tensor(state.tokens)  # prompt + pending
-        before = torch.cat([hidden.new_zeros(1, hidden.shape[-1]), hidden[:-1]])
-        dtype = hidden.dtype
-        context = heads.copy.entries(
-            before, heads.embed(sequence[:-1], dtype), hidden, heads.embed(sequence[1:], dtype)
-        )
+        context = entries_of(heads, state.target.hidden, state.tokens)  # the prefill's rows: the prompt
         logits, weights, gates = heads(state.last_hidden[None], tokens[None], (*context, None))
         probs = mixture(
             torch.softmax(logits[0, k][None], -1), heads.draft_vocab, heads.vocab_size,
