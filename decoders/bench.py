@@ -69,7 +69,9 @@ class Contender:
     verifier: str | None
     run: Callable[[list[int], int], Record]
     lossless: bool = True
-    info: dict | None = None
+    # what the pipeline reports about itself, asked when results are written (after the
+    # prompts run), so it holds what the proposer measured: acceptance profiles, budgets
+    describe: Callable[[], dict] | None = None
 
 
 def pipeline_contender(pipeline: Pipeline) -> Contender:
@@ -90,7 +92,7 @@ def pipeline_contender(pipeline: Pipeline) -> Contender:
         pipeline.verifier.name,  # type: ignore[union-attr]
         run,
         pipeline.verifier.lossless,  # type: ignore[union-attr]
-        {"proposer": pipeline.proposer.describe(), "proposer_config": vars(pipeline.proposer.config)},
+        lambda: {"proposer": pipeline.proposer.describe(), "proposer_config": vars(pipeline.proposer.config)},
     )
 
 
@@ -204,8 +206,8 @@ def results_payload(
             entry.update(limit)  # ideal_speedup, mean_draft_size, draft_seconds_per_round
             entry["efficiency"] = entry["speedup"] / limit["ideal_speedup"]
         entry["lossless"] = contender.lossless
-        if contender.info:
-            entry["info"] = contender.info
+        if contender.describe is not None:
+            entry["info"] = contender.describe()
         entry["records"] = []
         for record in records[contender.name]:
             row = record.as_dict()

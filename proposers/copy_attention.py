@@ -30,11 +30,14 @@ asks with
 The token parts of W_k and every W_q,k start as one shared random projection,
 so a fresh pointer already looks for the same token; the gate starts at 0.82
 for the head. The pointer can propose tokens outside the heads' draft
-vocabulary, so copy heads draft over the whole vocabulary. p_k is a proper
-distribution over it: sampled drafts carry it as their q rows and stay lossless.
+vocabulary, so copy heads draft over the draft vocabulary plus the tokens of the
+committed context: the support of p_k, a few hundred rows more than the draft
+vocabulary, not the whole one (scoring and ranking 49,152 rows per head call
+cost more than the heads themselves). p_k is a proper distribution: sampled
+drafts carry it (zero off its support) as their q rows and stay lossless.
 
 :class:`ContextMemory` holds one request's keys, values and x_(j+1), extended
-with the positions each verification pass commits.
+with the positions each verification pass commits, and the rows drafts use.
 """
 
 from __future__ import annotations
@@ -102,39 +105,94 @@ class CopyAttention(nn.Module):
 
 def mixture(
     head_probs: torch.Tensor,
-    draft_vocab: torch.Tensor | None,
-    vocab_size: int,
     weights: torch.Tensor,
     gate: torch.Tensor,
-    following: torch.Tensor,
+    following_rows: torch.Tensor,
+    size: int,
+    head_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """p = gate * head + (1 - gate) * pointer over the whole vocabulary.
+    """p = gate * head + (1 - gate) * pointer, over ``size`` rows.
 
-    head_probs (R, n) over the draft vocabulary (token ids ``draft_vocab``, None =
-    all), weights (R, L), gate (R, 1), following (L,) the x_(j+1) -> (R, vocab)."""
-    probs = head_probs.new_zeros((len(head_probs), vocab_size))  # (R, vocab)
-    if draft_vocab is None:
-        probs += gate * head_probs
+    head_probs (R, n) the head's distribution, over rows 0 .. n-1 or over ``head_rows``
+    (n,); weights (R, L) the pointer's, onto rows ``following_rows`` (L,) (the rows of
+    the x_(j+1)); gate (R, 1) -> (R, size). With rows = token ids and ``head_rows`` the
+    draft vocabulary this is the mixture over the whole vocabulary; drafting uses the
+    rows of :class:`ContextMemory`, where the head's rows come first."""
+    probs = head_probs.new_zeros((len(head_probs), size))  # (R, size)
+    if head_rows is None:
+        probs[:, : head_probs.shape[-1]] = gate * head_probs
     else:
-        probs[:, draft_vocab] = gate * head_probs
-    probs.scatter_add_(1, following[None].expand(len(probs), -1), (1 - gate) * weights)
+        probs[:, head_rows] = gate * head_probs
+    probs.scatter_add_(1, following_rows[None].expand(len(probs), -1), (1 - gate) * weights)
     return probs
 
 
 class ContextMemory:
-    """One request's keys, values and x_(j+1), grown as positions are committed."""
+    """One request's keys, values and x_(j+1), grown as positions are committed, and
+    the rows copy heads draft over.
 
-    def __init__(self, attention: CopyAttention, embeddings: nn.Embedding) -> None:
+    The mixture's support is the heads' draft vocabulary plus the tokens the pointer
+    can reach (the committed x_(j+1)), a few hundred more, not the whole vocabulary:
+    row r < n is the draft vocabulary's row r, the rows after it are the context's
+    other tokens in order of first appearance (``vocab`` maps rows to token ids).
+    Rows only ever get appended, so a round's rows stay valid while it drafts.
+    """
+
+    def __init__(
+        self, attention: CopyAttention, embeddings: nn.Embedding, draft_vocab: torch.Tensor | None = None
+    ) -> None:
         self.attention = attention
         self.embeddings = embeddings
         weight = attention.key.weight
         self.keys = weight.new_zeros((0, weight.shape[0]))  # (L, width)
         self.values = weight.new_zeros((0, weight.shape[0]))  # (L, width)
         self.following = torch.zeros(0, dtype=torch.long, device=weight.device)  # (L,)
+        self.following_rows = self.following  # (L,) rows of the x_(j+1)
         self.last_hidden: torch.Tensor | None = None  # (hidden,) h of the last stored position
+        vocab_size = embeddings.num_embeddings
+        # token id -> row (-1: no row yet); None: the heads score every token, rows = token ids
+        self._row_of: torch.Tensor | None = None
+        self.vocab: torch.Tensor | None = None  # (rows,) token id of each row; None = identity
+        self.rows = vocab_size
+        if draft_vocab is not None:
+            draft_vocab = draft_vocab.to(weight.device)
+            self._row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=weight.device)
+            self._row_of[draft_vocab] = torch.arange(len(draft_vocab), device=weight.device)
+            self.vocab = draft_vocab
+            self.rows = len(draft_vocab)
 
     def __len__(self) -> int:
         return len(self.following)
+
+    def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Drafting rows -> token ids."""
+        return rows if self.vocab is None else self.vocab[rows]
+
+    def full_rows(self, probs: torch.Tensor) -> torch.Tensor:
+        """(B, rows) distributions over the drafting rows -> (B, vocab), 0 elsewhere."""
+        if self.vocab is None:
+            return probs
+        full = probs.new_zeros((len(probs), self.embeddings.num_embeddings))
+        full[:, self.vocab] = probs
+        return full
+
+    def _rows_for(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of token ``ids`` (c,), giving new rows to tokens that have none."""
+        if self._row_of is None:
+            return ids
+        rows = self._row_of[ids]
+        missing = ids[rows < 0]
+        if len(missing):
+            fresh, first = torch.unique(missing, return_inverse=True)
+            order = torch.full_like(fresh, len(missing)).scatter_reduce(
+                0, first, torch.arange(len(missing), device=ids.device), "amin"
+            )  # each new token's first appearance
+            fresh = fresh[order.argsort()]
+            self._row_of[fresh] = torch.arange(self.rows, self.rows + len(fresh), device=ids.device)
+            self.vocab = torch.cat([self.vocab, fresh])
+            self.rows += len(fresh)
+            rows = self._row_of[ids]
+        return rows
 
     def extend(self, hidden: torch.Tensor, tokens: list[int], following: list[int]) -> None:
         """Store positions with final hidden states ``hidden`` (c, hidden), input tokens
@@ -155,4 +213,5 @@ class ContextMemory:
         self.keys = torch.cat([self.keys, keys])
         self.values = torch.cat([self.values, values])
         self.following = torch.cat([self.following, ids[1]])
+        self.following_rows = torch.cat([self.following_rows, self._rows_for(ids[1])])
         self.last_hidden = hidden[-1]

@@ -29,8 +29,8 @@ around. Drafting runs the heads one after another, batched over a tree level.
 
 Copy heads (``drafter.copy_width > 0``, sequential heads only): each head also
 points into the committed context and mixes the token that followed the places
-it points at with its own distribution, over the whole vocabulary
-(proposers/copy_attention.py). The proposer keeps the request's keys and
+it points at with its own distribution, over the draft vocabulary plus the
+context's tokens (proposers/copy_attention.py). The proposer keeps the request's keys and
 values, extended each round with the positions the target committed.
 
 Drafts are token trees filled level by level (a chain is the tree whose every
@@ -243,7 +243,7 @@ class MedusaHeads(nn.Module):
         states (B, hidden), its logits (B, n) over the draft vocabulary's rows).
 
         Copy heads read ``memory`` and give log-probabilities of the mixture with their
-        pointer over the whole vocabulary instead, (B, vocab)."""
+        pointer instead, over the memory's rows (:class:`ContextMemory`), (B, rows)."""
         if self.copy is None:
             state = self.state(k, previous, tokens)
             return state, self.projection.head_logits(k, state)  # (B, n)
@@ -254,37 +254,15 @@ class MedusaHeads(nn.Module):
         logits = self.projection.head_logits(k, state)  # (B, n)
         weights, gate = self.copy.point(k, previous, embedded, memory.keys, memory.values)
         probs = mixture(
-            torch.softmax(logits.float(), -1),
-            self.draft_vocab,
-            self.vocab_size,
-            weights.float(),
-            gate.float(),
-            memory.following,
-        )  # (B, vocab)
+            torch.softmax(logits.float(), -1), weights.float(), gate.float(), memory.following_rows, memory.rows
+        )  # (B, rows): the draft vocabulary, then the context's other tokens
         return state, probs.log().clamp(min=torch.finfo(torch.float32).min)
 
     def context_memory(self) -> ContextMemory:
         """An empty memory of committed positions for one request (copy heads)."""
         if self.copy is None:
             raise ValueError("these heads have no copy attention")
-        return ContextMemory(self.copy, self._embeddings[0])
-
-    @property
-    def drafts_rows(self) -> bool:
-        """True if drafting logits are over the draft vocabulary's rows (not token ids)."""
-        return self.draft_vocab is not None and self.copy is None
-
-    def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        """Drafting rows (of the draft vocabulary) -> token ids."""
-        return self.draft_vocab[rows] if self.drafts_rows else rows
-
-    def full_rows(self, probs: torch.Tensor) -> torch.Tensor:
-        """(B, n) drafting probabilities over the draft vocabulary -> (B, vocab), 0 elsewhere."""
-        if not self.drafts_rows:
-            return probs
-        full = probs.new_zeros((len(probs), self.vocab_size))
-        full[:, self.draft_vocab] = probs
-        return full
+        return ContextMemory(self.copy, self._embeddings[0], self.draft_vocab)
 
     @property
     def projection(self) -> DraftProjection:
@@ -536,8 +514,25 @@ class _HeadOutputs:
         check_finite(self.fused if self.fused is not None else self.logits[-1], "Medusa heads")
         return self.logits[-1]
 
+    def ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Drafting rows -> token ids: the memory's rows for copy heads, else the draft
+        vocabulary's (token ids themselves if the heads score every token)."""
+        if self.memory is not None:
+            return self.memory.token_ids(rows)
+        return rows if self.heads.draft_vocab is None else self.heads.draft_vocab[rows]
+
     def token_ids(self, rows: list[int]) -> list[int]:
-        return self.heads.token_ids(torch.tensor(rows, dtype=torch.long, device=self.hidden.device)).tolist()
+        return self.ids(torch.tensor(rows, dtype=torch.long, device=self.hidden.device)).tolist()
+
+    def full_rows(self, probs: torch.Tensor) -> torch.Tensor:
+        """(B, rows) drafting distributions -> (B, vocab), 0 outside the rows."""
+        if self.memory is not None:
+            return self.memory.full_rows(probs)
+        if self.heads.draft_vocab is None:
+            return probs
+        full = probs.new_zeros((len(probs), self.heads.vocab_size))
+        full[:, self.heads.draft_vocab] = probs
+        return full
 
     def expand(self, nodes: list[int], tokens: list[int], parents: list[int], depth: int) -> None:
         """Compute the children's distributions of ``nodes`` (all at ``depth``)."""
@@ -549,7 +544,7 @@ class _HeadOutputs:
             return
         previous = torch.stack([self.states[parents[node]] for node in nodes])  # (B, hidden)
         rows = torch.tensor([tokens[node] for node in nodes], device=previous.device)  # (B,) draft-vocab rows
-        node_tokens = self.heads.token_ids(rows)  # (B,) token ids, what the heads embed
+        node_tokens = self.ids(rows)  # (B,) token ids, what the heads embed
         states, logits = self.heads.step(depth + 1, previous, node_tokens, self.memory)
         check_finite(logits, "Medusa heads")
         for i, node in enumerate(nodes):
@@ -704,7 +699,7 @@ class MedusaProposer(Proposer):
                     tokens[i], probs[i] = token, p
             outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
         draft_probs = (
-            None if sampling.greedy else outputs.heads.full_rows(torch.stack(probs))
+            None if sampling.greedy else outputs.full_rows(torch.stack(probs))
         )  # (nodes, vocab)
         return Draft(outputs.token_ids(tokens), parents, draft_probs)
 

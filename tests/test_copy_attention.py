@@ -30,13 +30,39 @@ def test_mixture_is_a_distribution_that_gives_the_pointer_its_share():
     weights = torch.softmax(torch.randn(3, 6, dtype=torch.float64), -1)  # (R, L)
     gate = torch.tensor([[0.2], [0.9], [1.0]], dtype=torch.float64)
     following = torch.tensor([2, 2, 4, 11, 0, 4])  # outside the draft vocabulary too
-    probs = mixture(head, draft_vocab, 12, weights, gate, following)
+    probs = mixture(head, weights, gate, following, 12, draft_vocab)
     torch.testing.assert_close(probs.sum(-1), torch.ones(3, dtype=torch.float64))
     expected_2 = (1 - gate[:, 0]) * (weights[:, 0] + weights[:, 1])
     torch.testing.assert_close(probs[:, 2], expected_2)
     expected_4 = gate[:, 0] * head[:, 1] + (1 - gate[:, 0]) * (weights[:, 2] + weights[:, 5])
     torch.testing.assert_close(probs[:, 4], expected_4)
     assert probs[2, 11] == 0  # gate 1: the head alone
+
+
+def test_memory_rows_are_the_draft_vocabulary_then_the_contexts_new_tokens():
+    """Copy heads draft over the draft vocabulary plus the context's tokens: the
+    mixture over those rows is the whole-vocabulary mixture restricted to its support."""
+    torch.manual_seed(3)
+    embeddings = torch.nn.Embedding(20, 8).double()
+    attention = CopyAttention(8, num_heads=1, width=4).double()
+    draft_vocab = torch.tensor([3, 0, 7])
+    memory = ContextMemory(attention, embeddings, draft_vocab)
+    tokens = [5, 0, 11, 5, 3, 11, 9]
+    memory.extend(torch.randn(4, 8, dtype=torch.float64), tokens[:4], tokens[1:5])
+    memory.extend(torch.randn(2, 8, dtype=torch.float64), tokens[4:6], tokens[5:7])
+    # rows 0-2: the draft vocabulary; then 11, 5, 9 in order of first appearance as an x_(j+1)
+    assert memory.vocab.tolist() == [3, 0, 7, 11, 5, 9]
+    assert memory.token_ids(memory.following_rows).tolist() == tokens[1:7]
+    head = torch.softmax(torch.randn(2, 3, dtype=torch.float64), -1)
+    weights = torch.softmax(torch.randn(2, 6, dtype=torch.float64), -1)
+    gate = torch.tensor([[0.3], [0.7]], dtype=torch.float64)
+    rows = mixture(head, weights, gate, memory.following_rows, memory.rows)  # (2, 6)
+    whole = mixture(head, weights, gate, memory.following, 20, draft_vocab)  # (2, 20)
+    torch.testing.assert_close(memory.full_rows(rows), whole)
+    torch.testing.assert_close(rows.sum(-1), torch.ones(2, dtype=torch.float64))
+    everything = ContextMemory(attention, embeddings)  # heads over every token: rows are ids
+    everything.extend(torch.randn(6, 8, dtype=torch.float64), tokens[:6], tokens[1:7])
+    assert everything.vocab is None and torch.equal(everything.following_rows, everything.following)
 
 
 @torch.no_grad()

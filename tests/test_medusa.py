@@ -69,8 +69,8 @@ def reference_logits(heads, state: DecodeState, path: list[int]) -> torch.Tensor
         context = entries_of(heads, state.target.hidden, state.tokens)  # the prefill's rows: the prompt
         logits, weights, gates = heads(state.last_hidden[None], tokens[None], (*context, None))
         probs = mixture(
-            torch.softmax(logits[0, k][None], -1), heads.draft_vocab, heads.vocab_size,
-            weights[0, k][None], gates[0, k].view(1, 1), sequence[1:],
+            torch.softmax(logits[0, k][None], -1), weights[0, k][None], gates[0, k].view(1, 1),
+            sequence[1:], heads.vocab_size, heads.draft_vocab,
         )  # fmt: skip
         return probs[0].log().clamp(min=torch.finfo(probs.dtype).min)
 

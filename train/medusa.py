@@ -435,11 +435,11 @@ def _ranked_tokens(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, p
                 [
                     mixture(
                         torch.softmax(logits[b, :, k], -1),
-                        heads.draft_vocab,
-                        heads.vocab_size,
                         pointer[b, :, k],
                         gates[b, :, k, None],
                         following[b],
+                        heads.vocab_size,
+                        heads.draft_vocab,
                     )
                     for b in range(len(logits))
                 ]
