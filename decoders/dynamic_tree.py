@@ -24,6 +24,10 @@ model, Medusa heads step their sequential state):
     with T the target's pass cost curve (decoders/cost.py) and D the drafting
     seconds per round measured so far. A node never outranks its parent (a
     product of factors <= 1, ties broken by depth), so any best-n set is a tree.
+    Growth also stops early, at the level whose frontier is too unlikely to be
+    accepted to pay for one more ``expand`` call (``DynamicTree._worth_growing``):
+    most rounds keep a few nodes, and the levels grown for nothing would cost
+    more drafting time than a chain.
 
 The tree is deterministic (the verifier's point-mass rule keeps sampling
 lossless for any deterministic tree, whatever shaped it).
@@ -32,6 +36,7 @@ lossless for any deterministic tree, whatever shaped it).
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,8 +68,18 @@ class Candidates:
         return len(self.rows)
 
 
-def grow(root_logits: torch.Tensor, expand: Expand, width: int, depth: int, what: str) -> Candidates:
-    """Candidates of a dynamic tree from ``root_logits`` (n,), the pending token's children's logits."""
+def grow(
+    root_logits: torch.Tensor,
+    expand: Expand,
+    width: int,
+    depth: int,
+    what: str,
+    keep_growing: Callable[[Candidates, list[int]], bool] | None = None,
+) -> Candidates:
+    """Candidates of a dynamic tree from ``root_logits`` (n,), the pending token's children's logits.
+
+    ``keep_growing(candidates, frontier)``, asked before each ``expand``: False ends the
+    growth there (the frontier's children would not pay for the call)."""
     rows: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
@@ -89,6 +104,10 @@ def grow(root_logits: torch.Tensor, expand: Expand, width: int, depth: int, what
         if level + 1 == depth:
             break
         frontier = sorted(sorted(level_nodes, key=lambda i: -scores[i])[:width])
+        if keep_growing is not None and not keep_growing(
+            Candidates(rows, parents, scores, probs, depths), frontier
+        ):
+            break
         logits = expand(frontier, rows, parents, level)
     return Candidates(rows, parents, scores, probs, depths)
 
@@ -156,7 +175,11 @@ class DynamicTree:
         self._draft_seconds = 0.0
         self._rounds = 0
         self._keys: list[tuple[int, int]] | None = None  # calibration keys of the last tree's nodes
+        self._expand_seconds = 0.0  # summed over every expand call
+        self._expands = 0
+        self._tokens_per_second: float | None = None  # expected, of the last auto-sized tree
         self.sizes: Counter = Counter()  # nodes kept per round
+        self.levels: Counter = Counter()  # levels grown per round
 
     @property
     def max_nodes(self) -> int:
@@ -164,12 +187,14 @@ class DynamicTree:
 
     def build(self, root_logits: torch.Tensor, expand: Expand, what: str) -> Draft:
         """This round's tree, with the drafter's rows as tokens (the caller maps them to ids)."""
-        candidates = grow(root_logits, expand, self.width, self.depth, what)
+        auto = self.budget == "auto"
+        candidates = grow(
+            root_logits, self._timed(expand), self.width, self.depth, what, self._worth_growing if auto else None
+        )
         keys = [self.calibration.key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
-        if self.budget == "auto":
-            values = [0.0] * len(candidates)  # estimated acceptance probability of each candidate
-            for i, parent in enumerate(candidates.parents):
-                values[i] = self.calibration.rate(keys[i]) * (values[parent] if parent >= 0 else 1.0)
+        self.levels[1 + max(candidates.depths)] += 1
+        if auto:
+            values = self._values(candidates)
             order = sorted(range(len(candidates)), key=lambda i: (-values[i], candidates.depths[i], i))
             keep = order[: self._best_size([values[i] for i in order])]
         else:
@@ -183,6 +208,40 @@ class DynamicTree:
         self.sizes[len(draft)] += 1
         return draft
 
+    def _values(self, candidates: Candidates) -> list[float]:
+        """Each candidate's estimated acceptance probability: the calibrated rates of
+        its depth and confidence, multiplied along its path."""
+        values = [0.0] * len(candidates)
+        for i, (parent, depth, prob) in enumerate(zip(candidates.parents, candidates.depths, candidates.probs)):
+            rate = self.calibration.rate(self.calibration.key(depth, prob))
+            values[i] = rate * (values[parent] if parent >= 0 else 1.0)
+        return values
+
+    def _timed(self, expand: Expand) -> Expand:
+        def timed(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
+            tick = time.perf_counter()
+            logits = expand(frontier, rows, parents, depth)
+            self._expand_seconds += time.perf_counter() - tick
+            self._expands += 1
+            return logits
+
+        return timed
+
+    def _worth_growing(self, candidates: Candidates, frontier: list[int]) -> bool:
+        """Whether expanding ``frontier`` can pay for its ``expand`` call.
+
+        At most one child of a node is accepted, and only if the node is, so the next
+        level adds at most S = the frontier's summed acceptance estimates to the
+        expected tokens of a round. The call costs e seconds (measured), which at the
+        r expected tokens per second of recent trees is worth r * e tokens: grow while
+        S > r * e. (A heuristic: it ignores the wider pass, which only makes growing
+        dearer, and the levels below, which add at most S each again.)"""
+        if self._expands == 0 or self._tokens_per_second is None:
+            return True  # nothing measured yet
+        values = self._values(candidates)
+        worth = sum(values[node] for node in frontier)
+        return worth > self._tokens_per_second * self._expand_seconds / self._expands
+
     def _best_size(self, values: list[float]) -> int:
         seconds = self._pass_seconds()
         draft_seconds = self._draft_seconds / max(self._rounds, 1)
@@ -192,6 +251,7 @@ class DynamicTree:
             rate = expected / (seconds[n] + draft_seconds)
             if rate > best_rate * (1 + self.min_gain):
                 best, best_rate = n, rate
+        self._tokens_per_second = best_rate
         return best
 
     def _pass_seconds(self) -> list[float]:
@@ -216,6 +276,7 @@ class DynamicTree:
             "tree_depth": self.depth,
             "tree_budget": self.budget,
             "tree_candidates": self.max_nodes,
+            "mean_levels_grown": round(sum(n * c for n, c in self.levels.items()) / rounds, 3) if rounds else None,
             "mean_tree_nodes": round(sum(n * c for n, c in self.sizes.items()) / rounds, 3)
             if rounds
             else None,

@@ -87,6 +87,24 @@ def test_auto_budget_keeps_the_size_with_the_most_expected_tokens_per_second():
     assert len(DynamicTree(2, 3, "auto", flat).build(ROOT, fixed_expand([]), "test")) == 2 + 2 * 2 * 2
 
 
+def test_auto_trees_stop_growing_where_the_next_level_cannot_pay_for_its_call():
+    """An expand call (microseconds here) is worth growing for against a 1-second pass,
+    not against a 1-microsecond one, where its time buys more than any level adds."""
+    calls: list = []
+    slow_pass = DynamicTree(width=2, depth=3, budget="auto", target_cost=flat_then_steep)
+    for _ in range(2):
+        slow_pass.build(ROOT, fixed_expand(calls), "test")
+    assert [depth for _, depth in calls] == [0, 1, 0, 1]
+    fast_pass = DynamicTree(2, 3, "auto", lambda: CostCurve({1: 1e-6, 64: 1e-6}))
+    calls.clear()
+    fast_pass.build(ROOT, fixed_expand(calls), "test")  # nothing measured yet: every level
+    assert [depth for _, depth in calls] == [0, 1]
+    calls.clear()
+    draft = fast_pass.build(ROOT, fixed_expand(calls), "test")
+    assert calls == [] and max(draft.depths) == 0  # not one expand call
+    assert fast_pass.describe()["mean_levels_grown"] == pytest.approx((3 + 1) / 2)
+
+
 def test_calibration_counts_tried_and_accepted_nodes():
     calibration = NodeCalibration(buckets=10)
     draft = Draft([5, 6, 7, 8], [-1, -1, 0, 0])  # two roots; node 0 has children 2 and 3
