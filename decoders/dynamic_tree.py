@@ -177,7 +177,6 @@ class DynamicTree:
         self._keys: list[tuple[int, int]] | None = None  # calibration keys of the last tree's nodes
         self._expand_seconds = 0.0  # summed over every expand call
         self._expands = 0
-        self._tokens_per_second: float | None = None  # expected, of the last auto-sized tree
         self.sizes: Counter = Counter()  # nodes kept per round
         self.levels: Counter = Counter()  # levels grown per round
 
@@ -230,29 +229,40 @@ class DynamicTree:
     def _worth_growing(self, candidates: Candidates, frontier: list[int]) -> bool:
         """Whether expanding ``frontier`` can pay for its ``expand`` call.
 
-        At most one child of a node is accepted, and only if the node is, so the next
-        level adds at most S = the frontier's summed acceptance estimates to the
-        expected tokens of a round. The call costs e seconds (measured), which at the
-        r expected tokens per second of recent trees is worth r * e tokens: grow while
-        S > r * e. (A heuristic: it ignores the wider pass, which only makes growing
-        dearer, and the levels below, which add at most S each again.)"""
-        if self._expands == 0 or self._tokens_per_second is None:
+        At most one child of a node is accepted, and only if the node is, so the best
+        the next level can do is one child per frontier node, each accepted as often as
+        its parent times the best rate measured at the children's depth. Grow if the
+        best tree with those optimistic children, its drafting dearer by one measured
+        ``expand`` call, beats the best tree of the candidates already grown. (The
+        levels below add little once a level cannot pay.)"""
+        if self._expands == 0:
             return True  # nothing measured yet
         values = self._values(candidates)
-        worth = sum(values[node] for node in frontier)
-        return worth > self._tokens_per_second * self._expand_seconds / self._expands
+        depth = candidates.depths[frontier[0]] + 1
+        best_rate = max(
+            self.calibration.rate(self.calibration.key(depth, (b + 0.5) / self.calibration.buckets))
+            for b in range(self.calibration.buckets)
+        )
+        optimistic = [values[node] * best_rate for node in frontier]
+        grown = sorted(values, reverse=True)
+        _, now = self._best(grown)
+        _, then = self._best(sorted(grown + optimistic, reverse=True), self._expand_seconds / self._expands)
+        return then > now
 
     def _best_size(self, values: list[float]) -> int:
+        return self._best(values)[0]
+
+    def _best(self, values: list[float], extra_seconds: float = 0.0) -> tuple[int, float]:
+        """(n, expected tokens per second) of the best n-node tree, ``values`` in descending order."""
         seconds = self._pass_seconds()
-        draft_seconds = self._draft_seconds / max(self._rounds, 1)
+        draft_seconds = self._draft_seconds / max(self._rounds, 1) + extra_seconds
         best, best_rate, expected = 1, 0.0, 1.0
         for n, value in enumerate(values, start=1):
             expected += value
             rate = expected / (seconds[n] + draft_seconds)
             if rate > best_rate * (1 + self.min_gain):
                 best, best_rate = n, rate
-        self._tokens_per_second = best_rate
-        return best
+        return best, best_rate
 
     def _pass_seconds(self) -> list[float]:
         if self._seconds is None:

@@ -67,6 +67,12 @@ def route_narrow_linears(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROW
     return count
 
 
+def routes_narrow_linears(model: torch.nn.Module) -> bool:
+    """Whether :func:`route_narrow_linears` was applied to ``model`` (its first Linear)."""
+    linear = next((m for m in model.modules() if type(m) is torch.nn.Linear), None)
+    return linear is not None and hasattr(linear, "_narrow_max_rows")
+
+
 def wants_narrow_routing(setting: str | bool, device: torch.device, dtype: torch.dtype) -> bool:
     """``auto``: on for float32 on CPU, where it was measured to pay."""
     if isinstance(setting, bool):

@@ -81,6 +81,7 @@ from torch import nn
 from decoders.draft import Draft, follow_tokens
 from decoders.draft_length import DraftLengthPolicy, confidence_bucket
 from decoders.dynamic_tree import DynamicTree
+from decoders.kernels import route_narrow_linears, routes_narrow_linears
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite, processed_probs, sample
 from decoders.tree_budget import AcceptanceProfile, BudgetTuner
@@ -598,6 +599,8 @@ class MedusaProposer(Proposer):
             directory, context.target.get_output_embeddings(), context.target.get_input_embeddings()
         )
         self.heads = artifact.heads
+        if routes_narrow_linears(context.target):  # a dynamic tree's levels are narrow passes too
+            route_narrow_linears(self.heads)
         self.meta = artifact.meta
         self.num_heads = config.num_heads or self.heads.num_heads
         if not 1 <= self.num_heads <= self.heads.num_heads:

@@ -97,12 +97,12 @@ def test_auto_trees_stop_growing_where_the_next_level_cannot_pay_for_its_call():
     assert [depth for _, depth in calls] == [0, 1, 0, 1]
     fast_pass = DynamicTree(2, 3, "auto", lambda: CostCurve({1: 1e-6, 64: 1e-6}))
     calls.clear()
-    fast_pass.build(ROOT, fixed_expand(calls), "test")  # nothing measured yet: every level
-    assert [depth for _, depth in calls] == [0, 1]
+    fast_pass.build(ROOT, fixed_expand(calls), "test")  # the first call, not yet measured, is made
+    assert [depth for _, depth in calls] == [0]
     calls.clear()
     draft = fast_pass.build(ROOT, fixed_expand(calls), "test")
     assert calls == [] and max(draft.depths) == 0  # not one expand call
-    assert fast_pass.describe()["mean_levels_grown"] == pytest.approx((3 + 1) / 2)
+    assert fast_pass.describe()["mean_levels_grown"] == pytest.approx((2 + 1) / 2)
 
 
 def test_calibration_counts_tried_and_accepted_nodes():
