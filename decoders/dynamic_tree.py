@@ -25,7 +25,8 @@ model, Medusa heads step their sequential state):
     seconds per round measured so far. A node never outranks its parent (a
     product of factors <= 1, ties broken by depth), so any best-n set is a tree.
     Growth also stops early, at the level whose frontier is too unlikely to be
-    accepted to pay for one more ``expand`` call (``DynamicTree._worth_growing``):
+    accepted to pay for one more ``expand`` call (``DynamicTree._worth_expanding``), and
+    expands only the frontier nodes whose children could make the tree:
     most rounds keep a few nodes, and the levels grown for nothing would cost
     more drafting time than a chain.
 
@@ -74,12 +75,12 @@ def grow(
     width: int,
     depth: int,
     what: str,
-    keep_growing: Callable[[Candidates, list[int]], bool] | None = None,
+    prune: Callable[[Candidates, list[int]], list[int]] | None = None,
 ) -> Candidates:
     """Candidates of a dynamic tree from ``root_logits`` (n,), the pending token's children's logits.
 
-    ``keep_growing(candidates, frontier)``, asked before each ``expand``: False ends the
-    growth there (the frontier's children would not pay for the call)."""
+    ``prune(candidates, frontier)``, asked before each ``expand``: the frontier nodes worth
+    expanding (an empty list ends the growth there)."""
     rows: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
@@ -104,10 +105,10 @@ def grow(
         if level + 1 == depth:
             break
         frontier = sorted(sorted(level_nodes, key=lambda i: -scores[i])[:width])
-        if keep_growing is not None and not keep_growing(
-            Candidates(rows, parents, scores, probs, depths), frontier
-        ):
-            break
+        if prune is not None:
+            frontier = prune(Candidates(rows, parents, scores, probs, depths), frontier)
+            if not frontier:
+                break
         logits = expand(frontier, rows, parents, level)
     return Candidates(rows, parents, scores, probs, depths)
 
@@ -188,7 +189,7 @@ class DynamicTree:
         """This round's tree, with the drafter's rows as tokens (the caller maps them to ids)."""
         auto = self.budget == "auto"
         candidates = grow(
-            root_logits, self._timed(expand), self.width, self.depth, what, self._worth_growing if auto else None
+            root_logits, self._timed(expand), self.width, self.depth, what, self._worth_expanding if auto else None
         )
         keys = [self.calibration.key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
         self.levels[1 + max(candidates.depths)] += 1
@@ -226,28 +227,33 @@ class DynamicTree:
 
         return timed
 
-    def _worth_growing(self, candidates: Candidates, frontier: list[int]) -> bool:
-        """Whether expanding ``frontier`` can pay for its ``expand`` call.
+    def _worth_expanding(self, candidates: Candidates, frontier: list[int]) -> list[int]:
+        """The nodes of ``frontier`` worth an ``expand`` call (none: stop growing).
 
-        At most one child of a node is accepted, and only if the node is, so the best
-        the next level can do is one child per frontier node, each accepted as often as
-        its parent times the best rate measured at the children's depth. Grow if the
-        best tree with those optimistic children, its drafting dearer by one measured
-        ``expand`` call, beats the best tree of the candidates already grown. (The
-        levels below add little once a level cannot pay.)"""
+        At most one child of a node is accepted, and only if the node is, so the best a
+        frontier node's children can do is one child accepted as often as the node times
+        the best rate measured at the children's depth. Take the best tree over the
+        candidates already grown plus those optimistic children, its drafting dearer by
+        one measured ``expand`` call: if it beats the best tree without them, expand the
+        frontier nodes whose optimistic child it keeps. (The levels below add little once
+        a level cannot pay.)"""
         if self._expands == 0:
-            return True  # nothing measured yet
+            return frontier  # nothing measured yet
         values = self._values(candidates)
         depth = candidates.depths[frontier[0]] + 1
+        buckets = self.calibration.buckets
         best_rate = max(
-            self.calibration.rate(self.calibration.key(depth, (b + 0.5) / self.calibration.buckets))
-            for b in range(self.calibration.buckets)
+            self.calibration.rate(self.calibration.key(depth, (b + 0.5) / buckets)) for b in range(buckets)
         )
-        optimistic = [values[node] * best_rate for node in frontier]
         grown = sorted(values, reverse=True)
         _, now = self._best(grown)
-        _, then = self._best(sorted(grown + optimistic, reverse=True), self._expand_seconds / self._expands)
-        return then > now
+        optimistic = {node: values[node] * best_rate for node in frontier}
+        ranked = sorted([(v, None) for v in grown] + [(v, node) for node, v in optimistic.items()],
+                        key=lambda pair: -pair[0])  # fmt: skip
+        size, then = self._best([v for v, _ in ranked], self._expand_seconds / self._expands)
+        if then <= now:
+            return []
+        return sorted(node for _, node in ranked[:size] if node is not None)
 
     def _best_size(self, values: list[float]) -> int:
         return self._best(values)[0]

@@ -91,10 +91,10 @@ def test_auto_trees_stop_growing_where_the_next_level_cannot_pay_for_its_call():
     """An expand call (microseconds here) is worth growing for against a 1-second pass,
     not against a 1-microsecond one, where its time buys more than any level adds."""
     calls: list = []
-    slow_pass = DynamicTree(width=2, depth=3, budget="auto", target_cost=flat_then_steep)
+    slow_pass = DynamicTree(width=2, depth=3, budget="auto", target_cost=flat)
     for _ in range(2):
         slow_pass.build(ROOT, fixed_expand(calls), "test")
-    assert [depth for _, depth in calls] == [0, 1, 0, 1]
+    assert [(len(frontier), depth) for frontier, depth in calls] == [(2, 0), (2, 1)] * 2
     fast_pass = DynamicTree(2, 3, "auto", lambda: CostCurve({1: 1e-6, 64: 1e-6}))
     calls.clear()
     fast_pass.build(ROOT, fixed_expand(calls), "test")  # the first call, not yet measured, is made
@@ -103,6 +103,18 @@ def test_auto_trees_stop_growing_where_the_next_level_cannot_pay_for_its_call():
     draft = fast_pass.build(ROOT, fixed_expand(calls), "test")
     assert calls == [] and max(draft.depths) == 0  # not one expand call
     assert fast_pass.describe()["mean_levels_grown"] == pytest.approx((2 + 1) / 2)
+
+
+def test_auto_trees_expand_only_the_frontier_nodes_whose_children_could_be_kept():
+    """A pass over 3 tokens is free: two nodes. The roots are estimated at 0.55 and 0.35
+    (their buckets' priors); the best child of the first could reach 0.55 * 0.95 = 0.52,
+    of the second 0.35 * 0.95 = 0.33, so the best two nodes are the first root and its
+    child: only the first root is expanded."""
+    tree = DynamicTree(width=2, depth=3, budget="auto", target_cost=lambda: flat_then_steep(3))
+    tree.build(ROOT, fixed_expand([]), "test")  # measures an expand call
+    calls: list = []
+    tree.build(ROOT, fixed_expand(calls), "test")
+    assert calls[0] == ([0], 0)
 
 
 def test_calibration_counts_tried_and_accepted_nodes():
