@@ -189,7 +189,12 @@ class DynamicTree:
         """This round's tree, with the drafter's rows as tokens (the caller maps them to ids)."""
         auto = self.budget == "auto"
         candidates = grow(
-            root_logits, self._timed(expand), self.width, self.depth, what, self._worth_expanding if auto else None
+            root_logits,
+            self._timed(expand),
+            self.width,
+            self.depth,
+            what,
+            self._worth_expanding if auto else None,
         )
         keys = [self.calibration.key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
         self.levels[1 + max(candidates.depths)] += 1
@@ -212,7 +217,9 @@ class DynamicTree:
         """Each candidate's estimated acceptance probability: the calibrated rates of
         its depth and confidence, multiplied along its path."""
         values = [0.0] * len(candidates)
-        for i, (parent, depth, prob) in enumerate(zip(candidates.parents, candidates.depths, candidates.probs)):
+        for i, (parent, depth, prob) in enumerate(
+            zip(candidates.parents, candidates.depths, candidates.probs)
+        ):
             rate = self.calibration.rate(self.calibration.key(depth, prob))
             values[i] = rate * (values[parent] if parent >= 0 else 1.0)
         return values
@@ -292,7 +299,9 @@ class DynamicTree:
             "tree_depth": self.depth,
             "tree_budget": self.budget,
             "tree_candidates": self.max_nodes,
-            "mean_levels_grown": round(sum(n * c for n, c in self.levels.items()) / rounds, 3) if rounds else None,
+            "mean_levels_grown": round(sum(n * c for n, c in self.levels.items()) / rounds, 3)
+            if rounds
+            else None,
             "mean_tree_nodes": round(sum(n * c for n, c in self.sizes.items()) / rounds, 3)
             if rounds
             else None,

@@ -255,7 +255,11 @@ class MedusaHeads(nn.Module):
         logits = self.projection.head_logits(k, state)  # (B, n)
         weights, gate = self.copy.point(k, previous, embedded, memory.keys, memory.values)
         probs = mixture(
-            torch.softmax(logits.float(), -1), weights.float(), gate.float(), memory.following_rows, memory.rows
+            torch.softmax(logits.float(), -1),
+            weights.float(),
+            gate.float(),
+            memory.following_rows,
+            memory.rows,
         )  # (B, rows): the draft vocabulary, then the context's other tokens
         return state, probs.log().clamp(min=torch.finfo(torch.float32).min)
 
@@ -711,9 +715,7 @@ class MedusaProposer(Proposer):
                 for i, token, p in zip(level, sample(level_probs, generator).tolist(), level_probs):
                     tokens[i], probs[i] = token, p
             outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
-        draft_probs = (
-            None if sampling.greedy else outputs.full_rows(torch.stack(probs))
-        )  # (nodes, vocab)
+        draft_probs = None if sampling.greedy else outputs.full_rows(torch.stack(probs))  # (nodes, vocab)
         return Draft(outputs.token_ids(tokens), parents, draft_probs)
 
     def _budget_tree(self) -> tuple[list[int], list[int], list[int]]:
