@@ -45,6 +45,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from decoders.sampling import on_vocabulary
+
 GATE_BIAS = 1.5  # a fresh gate gives the head sigmoid(1.5) = 0.82 of the mass
 SCALE = 15.0  # a fresh pointer's inverse temperature on cosine scores
 
@@ -170,11 +172,7 @@ class ContextMemory:
 
     def full_rows(self, probs: torch.Tensor) -> torch.Tensor:
         """(B, rows) distributions over the drafting rows -> (B, vocab), 0 elsewhere."""
-        if self.vocab is None:
-            return probs
-        full = probs.new_zeros((len(probs), self.embeddings.num_embeddings))
-        full[:, self.vocab] = probs
-        return full
+        return on_vocabulary(probs, self.vocab, self.embeddings.num_embeddings)
 
     def _rows_for(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of token ``ids`` (c,), giving new rows to tokens that have none."""

@@ -53,7 +53,7 @@ from decoders.draft import Draft, follow_tokens
 from decoders.dynamic_tree import DynamicTree
 from decoders.models import ModelConfig, load_model, tiny_draft_model
 from decoders.registry import register_proposer
-from decoders.sampling import check_finite
+from decoders.sampling import check_finite, on_vocabulary
 from decoders.session import ModelSession
 from proposers.base import Proposer, draft_token
 
@@ -279,8 +279,7 @@ class DraftVocabulary:
 
     def full_row(self, probs: torch.Tensor) -> torch.Tensor:
         """(..., N) probabilities over these tokens as (..., full vocab) rows, 0 elsewhere."""
-        full = probs.new_zeros(*probs.shape[:-1], self.full_size)
-        return full.index_copy_(-1, self.token_ids.to(probs.device), probs)
+        return on_vocabulary(probs, self.token_ids, self.full_size)
 
 
 def save_draft_vocab(directory: Path, token_counts: torch.Tensor) -> None:

@@ -83,7 +83,7 @@ from decoders.draft_length import DraftLengthPolicy, confidence_bucket
 from decoders.dynamic_tree import DynamicTree
 from decoders.kernels import route_narrow_linears, routes_narrow_linears
 from decoders.registry import register_proposer
-from decoders.sampling import check_finite, processed_probs, sample
+from decoders.sampling import check_finite, on_vocabulary, processed_probs, sample
 from decoders.tree_budget import AcceptanceProfile, BudgetTuner
 from proposers.base import Proposer
 from proposers.copy_attention import ContextMemory, CopyAttention, mixture
@@ -543,11 +543,7 @@ class _HeadOutputs:
         """(B, rows) drafting distributions -> (B, vocab), 0 outside the rows."""
         if self.memory is not None:
             return self.memory.full_rows(probs)
-        if self.heads.draft_vocab is None:
-            return probs
-        full = probs.new_zeros((len(probs), self.heads.vocab_size))
-        full[:, self.heads.draft_vocab] = probs
-        return full
+        return on_vocabulary(probs, self.heads.draft_vocab, self.heads.vocab_size)
 
     def expand(self, nodes: list[int], tokens: list[int], parents: list[int], depth: int) -> None:
         """Compute the children's distributions of ``nodes`` (all at ``depth``)."""
