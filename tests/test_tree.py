@@ -224,9 +224,9 @@ def test_typical_acceptance_bar_and_deepest_path():
 # --------------------------------------------------------------- greedy identity
 
 
-TREE_PROPOSERS = [
-    {"name": "ngram", "branches": 3, "k": 4},
-    {"name": "ngram", "branches": 2, "k": 7, "min_n": 2},
+TREE_PROPOSERS = [  # ngram without its length policy, whose cuts follow a cost curve measured on the spot
+    {"name": "ngram", "branches": 3, "k": 4, "adaptive": False},
+    {"name": "ngram", "branches": 2, "k": 7, "min_n": 2, "adaptive": False},
     {"name": "draft_model", "tree": True, "k": 4, "tree_width": 3, "tree_budget": 10},
     {"name": "draft_model", "tree": True, "k": 6, "tree_width": 2, "tree_budget": 30},
     {"name": "draft_model", "tree": True, "k": 3, "tree_budget": "auto"},
