@@ -325,3 +325,37 @@ def test_sampled_tree_decoding_has_standard_decodings_distribution(tmp_path):
     assert combined_p_value(positions) > 0.001, positions
     stats = speculative.generate(prompt, 4, seed=0).stats
     assert stats.proposed > 1 and stats.accepted > 0
+
+
+# ------------------------------------------------------------------ the agentic workload
+
+
+def test_agentic_workload_runs_families_in_order_with_first_requests_apart():
+    from decoders.workloads import WorkloadConfig, load_workload
+
+    prompts = load_workload(WorkloadConfig(name="agentic"))
+    families = list(dict.fromkeys(p.category.partition("/")[0] for p in prompts))
+    assert len(families) == 4 and len(prompts) == 40
+    for number, family in enumerate(families):
+        block = prompts[number * 10 : (number + 1) * 10]
+        assert [p.category for p in block] == [f"{family}/first"] + [f"{family}/later"] * 9
+    assert len(load_workload(WorkloadConfig(name="agentic", limit=3))) == 4 * (1 + 3)
+
+
+def test_stages_are_reported_over_every_family():
+    from decoders.metrics import Record, pipeline_entry
+
+    def record(category: str, seconds: float, passes: int) -> Record:
+        return Record("p", category, 0, 0, 10, seconds, [0] * 10, passes, 0, 0, 0.0, 0.0, [1] * passes)
+
+    baseline = [record(c, 1.0, 10) for c in ("a/first", "a/later", "b/first", "b/later")]
+    mine = [
+        record("a/first", 1.0, 10),
+        record("a/later", 0.5, 5),
+        record("b/first", 1.0, 10),
+        record("b/later", 0.25, 2),
+    ]
+    entry = pipeline_entry("suffix+tree", "speculative", "suffix", "tree", mine, baseline, True)
+    assert entry["stages"]["first"]["speedup"] == pytest.approx(1.0)
+    assert entry["stages"]["later"]["speedup"] == pytest.approx(20 / 0.75 / 10)
+    assert set(entry["categories"]) == {"a/first", "a/later", "b/first", "b/later"}
