@@ -359,3 +359,34 @@ def test_stages_are_reported_over_every_family():
     assert entry["stages"]["first"]["speedup"] == pytest.approx(1.0)
     assert entry["stages"]["later"]["speedup"] == pytest.approx(20 / 0.75 / 10)
     assert set(entry["categories"]) == {"a/first", "a/later", "b/first", "b/later"}
+
+
+def test_bench_runs_the_agentic_workload_in_order_and_reports_stages(tmp_path, monkeypatch):
+    """The bench on workload=agentic (tiny model): results by stage and family, greedy
+    output unchanged, and the suffix memory holds the measured requests only (the
+    warm-up request is forgotten)."""
+    from tests.bench_helpers import run_bench
+
+    output = tmp_path / "results.json"
+    overrides = [
+        "model=tiny-random",
+        "model.dtype=float64",
+        "workload=agentic",
+        "workload.limit=1",
+        "experiment=suffix_vs_ngram",
+        "bench.peers=false",
+        "bench.max_new_tokens=8",
+        "bench.plots=false",
+        "logger=disabled",
+        "bench.cost_cache=false",  # T(n) measured into the run directory, the user's cache left alone
+        f"bench.output={output}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    run_bench(monkeypatch, overrides)
+    payload = json.loads(output.read_text())
+    entries = {e["name"]: e for e in payload["pipelines"]}
+    assert set(entries) == {"standard", "suffix+tree", "ngram+greedy"} and payload["prompts"] == 8
+    suffix = entries["suffix+tree"]
+    assert set(suffix["stages"]) == {"first", "later"} and len(suffix["categories"]) == 8
+    assert suffix["identical_outputs"] == 1.0
+    assert suffix["info"]["proposer"]["memory_requests"] == 8
