@@ -96,7 +96,8 @@ class SuffixProposer(Proposer):
             )
         self.depth = config.max_match + config.k  # a match and its continuation fit in the index
         self.calibration = SourceCalibration()
-        self.memory = self._load_memory()
+        self._loaded = self._load_memory()  # the memory file's requests, what forget() returns to
+        self.memory = self._memory_of(self._loaded)
         self.request = SuffixIndex(self.depth)
         self._indexed = 0  # tokens of the request in self.request
         self._seconds: list[float] | None = None  # T(1) .. T(max_nodes + 1), non-decreasing
@@ -149,7 +150,7 @@ class SuffixProposer(Proposer):
             save_memory(self.memory, Path(self.config.memory_path), self.context.target_key)
 
     def forget(self) -> None:
-        self.memory = self._load_memory()
+        self.memory = self._memory_of(self._loaded)
 
     # ------------------------------------------------------------------ the tree
 
@@ -202,11 +203,18 @@ class SuffixProposer(Proposer):
 
     # ------------------------------------------------------------------ memory
 
-    def _load_memory(self) -> SuffixIndex:
+    def _load_memory(self) -> list[list[int]]:
+        """The requests saved in ``memory_path`` (none if unset or not written yet)."""
         path = self.config.memory_path
         if not path or not Path(path).exists():
-            return SuffixIndex(self.depth)
-        memory = load_memory(Path(path), self.depth, self.context.target_key)
+            return []
+        return load_memory(Path(path), self.context.target_key)
+
+    def _memory_of(self, requests: list[list[int]]) -> SuffixIndex:
+        """A memory index over ``requests`` (oldest first), within the bounds."""
+        memory = SuffixIndex(self.depth)
+        for request in requests:
+            memory.add_document(request)
         self._evict(memory)
         return memory
 
@@ -261,8 +269,8 @@ def save_memory(memory: SuffixIndex, path: Path, target: str) -> None:
     os.replace(tmp, path)
 
 
-def load_memory(path: Path, depth: int, target: str) -> SuffixIndex:
-    """A suffix index over the requests saved in ``path`` by :func:`save_memory` for ``target``."""
+def load_memory(path: Path, target: str) -> list[list[int]]:
+    """The requests (token lists, oldest first) saved in ``path`` by :func:`save_memory` for ``target``."""
     try:
         payload = json.loads(path.read_text())
         requests = payload["requests"]
@@ -280,7 +288,4 @@ def load_memory(path: Path, depth: int, target: str) -> SuffixIndex:
             f"proposer.memory_path={path} holds token ids of {payload.get('target')!r}, not of the target "
             f"{target!r}; point proposer.memory_path at a file of this target's (or a new one)"
         )
-    memory = SuffixIndex(depth)
-    for request in requests:
-        memory.add_document(request)
-    return memory
+    return requests

@@ -232,7 +232,8 @@ def test_memory_keeps_the_newest_requests_within_both_bounds(tiny_pipeline):
 
 def test_memory_is_saved_and_loaded(tiny_pipeline, tmp_path):
     """After each request the memory is on disk; a new proposer starts from it and drafts
-    what the old one would; forget() returns to the file's state; bad files are refused."""
+    what the old one would; forget() returns to what the proposer loaded; bad files are
+    refused."""
     path = tmp_path / "memory" / "suffix.json"
     options = {"name": "suffix", "memory_path": str(path), "adaptive": False}  # same drafts, learnt or not
     pipeline = tiny_pipeline.with_components(options, "tree")
@@ -251,8 +252,13 @@ def test_memory_is_saved_and_loaded(tiny_pipeline, tmp_path):
         proposer.begin(probe)
     assert paths(pipeline.proposer.propose(probe)) == paths(reloaded.propose(probe))
     pipeline.generate(prompts[0], 12)
-    pipeline.proposer.forget()
-    assert pipeline.proposer.memory.documents == 4  # the file, saved after the fourth request
+    assert len(json.loads(path.read_text())["requests"]) == 4
+    pipeline.proposer.forget()  # back to what it started from: no file, no memory
+    assert pipeline.proposer.memory.documents == 0
+    reloaded.finish(_State(prompts[1]))
+    reloaded.forget()  # back to the three requests it loaded
+    assert [reloaded.memory.document(i) for i in range(3)] == [old.document(i) for i in range(3)]
+    assert reloaded.memory.documents == 3
 
     path.write_text("{not json")
     with pytest.raises(ValueError, match="is not a suffix memory file"):
