@@ -12,7 +12,8 @@ occurred with a continuation is found, and a tree of its likely continuations
 is grown best-first (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975).
 A node's chance of acceptance, given its parent's, is read from how often
 nodes like it were accepted, counted per (depth, share of the occurrences that
-continued with its token, source, match-length bucket) in a
+continued with its token (smoothed: count / (occurrences + 1)), source,
+match-length bucket) in a
 :class:`decoders.dynamic_tree.NodeCalibration`: the two sources are weighed
 separately, and a long match counts for more than a short one. The two trees
 are joined (a node present in both takes the better estimate) and the round
@@ -172,10 +173,12 @@ class SuffixProposer(Proposer):
                 found[path] = Candidate(-negative, key)
             if len(path) == max_depth:
                 continue
-            children = sorted(index.continuations(state), key=lambda c: -c.count)[:limit]
+            children = list(index.continuations(state))
             total = sum(c.count for c in children)
-            for child in children:
-                frequency = child.count / total
+            for child in sorted(children, key=lambda c: -c.count)[:limit]:
+                # share of the occurrences that continued with this token, one unseen
+                # occurrence added: 1 of 1 is 0.5, 5 of 5 is 0.83 (few occurrences prove little)
+                frequency = child.count / (total + 1)
                 depth = len(path)
                 key = self.calibration.source_key(depth, frequency, source, match_length)
                 rate = self.calibration.rate(key) if self.config.adaptive else frequency

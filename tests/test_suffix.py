@@ -277,16 +277,16 @@ def test_bad_options_are_refused_naming_them(tiny_pipeline):
 
 def test_trees_shrink_to_nothing_where_drafts_do_not_pay(tiny_pipeline, monkeypatch):
     """A periodic request is first drafted as a tree (acceptance is optimistic until
-    measured); once its drafts are always rejected, and a node must be accepted 30% of
+    measured); once its drafts are always rejected, and a node must be accepted 10% of
     the time to pay for a wider pass, the tree falls to no draft, with a one-node probe
     every explore_every rounds."""
-    dearer = CostCurve({1: 1.0, 2: 1.3, 32: 10.0})
+    dearer = CostCurve({1: 1.0, 2: 1.1, 32: 4.0})
     monkeypatch.setattr(PipelineContext, "cost_curve", lambda self: dearer)
     proposer = suffix_proposer(tiny_pipeline, memory_requests=0, explore_every=4)
     stream = [1, 2, 3] * 6
     proposer.begin(None)
     sizes = []
-    for _ in range(40):
+    for _ in range(60):
         draft = proposer.propose(_State(stream))
         sizes.append(len(draft))
         proposer.observe(None, _accept_nothing(draft))
