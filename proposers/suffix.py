@@ -108,6 +108,7 @@ class SuffixProposer(Proposer):
         self._last: tuple[Draft, list[tuple], float] | None = None  # (draft, node keys, drafting seconds)
         self.sizes: dict[int, int] = {}  # nodes per round -> rounds
         self.matched = {REQUEST: 0, MEMORY: 0}  # rounds where each source had a match
+        self.accepted_from = {REQUEST: 0, MEMORY: 0}  # accepted nodes, by the source that ranked them
 
     # ------------------------------------------------------------------ requests
 
@@ -137,7 +138,10 @@ class SuffixProposer(Proposer):
             return
         draft, keys, seconds = self._last
         self._last = None
-        self.calibration.record(draft, keys, follow_tokens(draft, acceptance.tokens))
+        path = follow_tokens(draft, acceptance.tokens)
+        self.calibration.record(draft, keys, path)
+        for node in path:
+            self.accepted_from[keys[node][2]] += 1
         self._draft_seconds += seconds
         self._rounds += 1
 
@@ -235,6 +239,7 @@ class SuffixProposer(Proposer):
             else None,
             "rounds_without_draft": self.sizes.get(0, 0),
             "rounds_matched": dict(self.matched),
+            "accepted_nodes_from": dict(self.accepted_from),
             "memory_requests": self.memory.documents,
             "memory_tokens": self.memory.tokens,
             "acceptance_by_source_match_depth_frequency": self.calibration.as_dict(),

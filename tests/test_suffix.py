@@ -204,6 +204,7 @@ def test_memory_drafts_a_repeated_request_in_few_passes(tiny_pipeline):
     second = remembering.generate(prompt, 40)
     assert second.tokens == first.tokens == tiny_pipeline.generate(prompt, 40).tokens
     assert second.stats.target_passes * 2 < first.stats.target_passes
+    assert remembering.proposer.describe()["accepted_nodes_from"]["memory"] >= second.stats.accepted // 2
     forgetting = tiny_pipeline.with_components({"name": "suffix", "memory_requests": 0}, "tree")
     passes = [forgetting.generate(prompt, 40).stats.target_passes for _ in range(2)]
     assert passes[0] == first.stats.target_passes and passes[1] > second.stats.target_passes
