@@ -75,9 +75,7 @@ class SuffixProposer(Proposer):
         k: int = 8  # deepest path of a draft tree (tokens after the pending one)
         max_nodes: int = 16  # largest draft tree
         max_match: int = 16  # longest suffix of the context looked up
-        adaptive: bool = (
-            True  # size each tree from T(n) and measured acceptance; false: max_nodes most frequent
-        )
+        adaptive: bool = True  # trees sized from T(n) and measured acceptance; false: max_nodes most frequent
         memory_requests: int = 256  # earlier requests kept (0: no memory across requests)
         memory_tokens: int = 200_000  # tokens kept in memory over all requests
         memory_path: str | None = None  # JSON file the memory is loaded from and saved to after each request
