@@ -286,6 +286,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
     for contender in tqdm(contenders, desc="warm-up", leave=False):
         for _ in range(max(cfg.bench.warmup, 0)):
             contender.run(warm_ids, min(max_new, 32))
+    for pipeline in pipelines:  # the warm-up prompt must not sit in a proposer's memory
+        if pipeline.proposer is not None:
+            pipeline.proposer.forget()
 
     records: dict[str, list[Record]] = {c.name: [] for c in contenders}
     first_answers: dict[str, str] = {}

@@ -230,6 +230,8 @@ def decode(
             proposer.observe(state, acceptance)
         stats.draft_time += tock - tick
 
+    if proposer is not None:
+        proposer.finish(state)
     stats.new_tokens = len(output)
     stats.wall_time = time.perf_counter() - start
     return GenerationOutput(output, stats)

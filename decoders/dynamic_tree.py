@@ -113,6 +113,32 @@ def grow(
     return Candidates(rows, parents, scores, probs, depths)
 
 
+def best_tree_size(
+    values: list[float],
+    pass_seconds: list[float],
+    draft_seconds: float,
+    min_gain: float = 0.01,
+    allow_empty: bool = False,
+) -> tuple[int, float]:
+    """(n, expected tokens per second) of the best tree made of the n first candidates.
+
+    ``values``: the candidates' estimated acceptance probabilities in descending order
+    (so every prefix is a tree); ``pass_seconds[m]``: T(m + 1), the target's pass over the
+    pending token and m nodes; ``draft_seconds``: drafting time per round. A bigger tree
+    must beat a smaller one by ``min_gain``, as T is measured with noise. With
+    ``allow_empty``, n = 0 (no draft: a plain decoding step) competes too; otherwise the
+    smallest tree has one node.
+    """
+    best, best_rate = (0, 1.0 / (pass_seconds[0] + draft_seconds)) if allow_empty else (1, 0.0)
+    expected = 1.0  # the correction or bonus token
+    for n, value in enumerate(values[: len(pass_seconds) - 1], start=1):
+        expected += value
+        rate = expected / (pass_seconds[n] + draft_seconds)
+        if rate > best_rate * (1 + min_gain):
+            best, best_rate = n, rate
+    return best, best_rate
+
+
 class NodeCalibration:
     """How often a tried draft node is accepted, per (depth, confidence bucket).
 
@@ -267,15 +293,8 @@ class DynamicTree:
 
     def _best(self, values: list[float], extra_seconds: float = 0.0) -> tuple[int, float]:
         """(n, expected tokens per second) of the best n-node tree, ``values`` in descending order."""
-        seconds = self._pass_seconds()
         draft_seconds = self._draft_seconds / max(self._rounds, 1) + extra_seconds
-        best, best_rate, expected = 1, 0.0, 1.0
-        for n, value in enumerate(values, start=1):
-            expected += value
-            rate = expected / (seconds[n] + draft_seconds)
-            if rate > best_rate * (1 + self.min_gain):
-                best, best_rate = n, rate
-        return best, best_rate
+        return best_tree_size(values, self._pass_seconds(), draft_seconds, self.min_gain)
 
     def _pass_seconds(self) -> list[float]:
         if self._seconds is None:

@@ -95,17 +95,29 @@ def pipeline_entry(
         "wall_time": overall["wall_time"],
     }
     entry.update(repeat_spread(records, baseline))
-    categories = {}
-    for category in dict.fromkeys(r.category for r in records):
-        mine = summarize([r for r in records if r.category == category])
-        theirs = summarize([r for r in baseline if r.category == category])
-        categories[category] = {
-            "tokens_per_s": mine["tokens_per_s"],
-            "speedup": _ratio(mine["tokens_per_s"], theirs["tokens_per_s"]) or 0.0,
-            "mean_accepted_tokens": mine["mean_accepted_tokens"],
-        }
+    categories = {
+        category: compared(records, baseline, lambda c, category=category: c == category)
+        for category in dict.fromkeys(r.category for r in records)
+    }
     entry["categories"] = categories
+    stages = sorted({category.partition("/")[2] for category in categories} - {""})
+    if stages:  # categories "<family>/<stage>" (workload=agentic): each stage over every family
+        entry["stages"] = {
+            stage: compared(records, baseline, lambda c, stage=stage: c.endswith("/" + stage))
+            for stage in stages
+        }
     return entry
+
+
+def compared(records: list[Record], baseline: list[Record], keep: Callable[[str], bool]) -> dict:
+    """tokens_per_s, speedup and tau over the records whose category ``keep`` accepts."""
+    mine = summarize([r for r in records if keep(r.category)])
+    theirs = summarize([r for r in baseline if keep(r.category)])
+    return {
+        "tokens_per_s": mine["tokens_per_s"],
+        "speedup": _ratio(mine["tokens_per_s"], theirs["tokens_per_s"]) or 0.0,
+        "mean_accepted_tokens": mine["mean_accepted_tokens"],
+    }
 
 
 def repeat_spread(records: list[Record], baseline: list[Record]) -> dict:

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "default_prompts.jsonl"
+# The project's own repetitive workload: four families of ten requests sharing structure
+# (code edits returning their input, JSON extraction to one schema, notes rewritten into
+# one email format, SQL over one schema). Its categories are "<family>/first" and
+# "<family>/later", so the first request of a family, met with an empty memory, is
+# reported apart from the later ones; the file order is the order they run in.
+AGENTIC_PROMPTS = Path(__file__).parent / "data" / "agentic_prompts.jsonl"
+SHIPPED_PROMPTS = {"default": DEFAULT_PROMPTS, "agentic": AGENTIC_PROMPTS}
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH_CATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -41,7 +48,7 @@ def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
         raise ValueError(f"workload.turns must be 1 or 2, got {cfg.turns}")
     if cfg.limit is not None and cfg.limit < 1:
         raise ValueError(f"workload.limit must be >= 1, got {cfg.limit}")
-    path = Path(cfg.path) if cfg.path else DEFAULT_PROMPTS
+    path = Path(cfg.path) if cfg.path else SHIPPED_PROMPTS.get(cfg.name, DEFAULT_PROMPTS)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as error:

@@ -7,6 +7,7 @@ from proposers import (  # noqa: F401  (registration)
     medusa,  # noqa: F401  (registration)
     merge,
     ngram,
+    suffix,
 )
 from proposers.base import Proposer
 

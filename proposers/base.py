@@ -8,6 +8,7 @@ config), then serves one request at a time:
     propose(state)    return a Draft: tokens as a tree, optionally with draft_probs
     observe(state, acceptance)
                       the verifier's decision; sync any private state
+    finish(state)     the request is done (its tokens are final)
 
 ``state`` is the :class:`~decoders.decoding.DecodeState` of the request. A
 proposer decides its draft's shape from its own config, never from the verifier.
@@ -55,6 +56,14 @@ class Proposer:
 
     def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
         """Called after each round with what the verifier decided."""
+
+    def finish(self, state: DecodeState) -> None:
+        """The request is done; ``state.tokens`` holds its prompt and whole output.
+        A proposer with memory across requests (``suffix``) learns from it here."""
+
+    def forget(self) -> None:
+        """Drop what earlier requests left in memory, back to the state after construction.
+        The benchmark calls it after warm-up, so measured requests start alike."""
 
     def verify_forward(
         self, target: ModelSession, tokens: list[int], parents: list[int] | None

@@ -120,6 +120,14 @@ class MergeProposer(Proposer):
         for member, draft in zip(self.members, self._drafts):
             member.observe(state, Acceptance(follow_tokens(draft, acceptance.tokens), acceptance.tokens))
 
+    def finish(self, state) -> None:
+        for member in self.members:
+            member.finish(state)
+
+    def forget(self) -> None:
+        for member in self.members:
+            member.forget()
+
     def describe(self) -> dict:
         return {
             "members": [{"name": member.name, **member.describe()} for member in self.members],

@@ -99,10 +99,14 @@ MEMBERS = [
         {"name": "draft_model", "tree": True, "k": 3, "tree_width": 2, "tree_budget": 5},
         {"name": "ngram", "branches": 2},
     ],
+    [
+        {"name": "suffix", "k": 4, "max_nodes": 6, "adaptive": False},
+        {"name": "draft_model", "tree": True, "k": 2, "tree_width": 2, "tree_budget": 4},
+    ],
 ]
 
 
-@pytest.mark.parametrize("members", MEMBERS, ids=["chain+chain", "tree+tree"])
+@pytest.mark.parametrize("members", MEMBERS, ids=["chain+chain", "tree+tree", "suffix+tree"])
 @pytest.mark.parametrize("verifier", ["tree", "greedy"])
 def test_greedy_output_equals_standard_decoding(tiny_pipeline, members, verifier):
     pipeline = tiny_pipeline.with_components({"name": "merge", "members": members}, verifier)

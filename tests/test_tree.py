@@ -227,6 +227,7 @@ def test_typical_acceptance_bar_and_deepest_path():
 TREE_PROPOSERS = [  # ngram without its length policy, whose cuts follow a cost curve measured on the spot
     {"name": "ngram", "branches": 3, "k": 4, "adaptive": False},
     {"name": "ngram", "branches": 2, "k": 7, "min_n": 2, "adaptive": False},
+    {"name": "suffix", "k": 4, "max_nodes": 10, "adaptive": False},
     {"name": "draft_model", "tree": True, "k": 4, "tree_width": 3, "tree_budget": 10},
     {"name": "draft_model", "tree": True, "k": 6, "tree_width": 2, "tree_budget": 30},
     {"name": "draft_model", "tree": True, "k": 3, "tree_budget": "auto"},

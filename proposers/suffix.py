@@ -1,0 +1,297 @@
+"""Suffix decoding: draft a tree of what followed the longest match, here and in earlier requests.
+
+Two suffix indexes (proposers/suffix_index.py) are searched every round:
+
+* the **request**: the prompt and the output so far, updated as tokens arrive;
+* the **memory**: earlier requests' prompts and outputs, bounded by
+  ``memory_requests`` and ``memory_tokens`` (oldest evicted first), optionally
+  loaded from and saved to ``memory_path`` so it outlives the process.
+
+In each, the longest suffix of the context (at most ``max_match`` tokens) that
+occurred with a continuation is found, and a tree of its likely continuations
+is grown best-first (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975).
+A node's chance of acceptance, given its parent's, is read from how often
+nodes like it were accepted, counted per (depth, share of the occurrences that
+continued with its token (smoothed: count / (occurrences + 1)), source,
+match-length bucket) in a
+:class:`decoders.dynamic_tree.NodeCalibration`: the two sources are weighed
+separately, and a long match counts for more than a short one. The two trees
+are joined (a node present in both takes the better estimate) and the round
+keeps the n best nodes, n chosen from the target's cost T(n) and the drafting
+time by :func:`decoders.dynamic_tree.best_tree_size`, down to no draft.
+
+Nodes are chosen deterministically (``draft_probs`` None): every verifier treats
+them as point masses, so the proposer is lossless at any temperature. With
+``adaptive=false`` the tree is the ``max_nodes`` most frequent continuations.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from decoders.draft import Draft, follow_tokens
+from decoders.dynamic_tree import NodeCalibration, best_tree_size
+from decoders.registry import register_proposer
+from proposers.base import Proposer
+from proposers.suffix_index import State, SuffixIndex
+
+REQUEST, MEMORY = "request", "memory"
+MEMORY_FORMAT = 1
+
+
+class SourceCalibration(NodeCalibration):
+    """NodeCalibration whose keys also name the index a node came from and how long
+    the match behind it was: (depth, frequency bucket, source, match bucket)."""
+
+    def source_key(self, depth: int, frequency: float, source: str, match_length: int) -> tuple:
+        return (*self.key(depth, frequency), source, min(match_length.bit_length(), 5))
+
+    def as_dict(self) -> dict:
+        return {
+            f"{source}_match{2 ** (m - 1)}+_depth{d}_f{b / self.buckets:.1f}": {
+                "tried": n,
+                "rate": round(self.rate((d, b, source, m)), 4),
+            }
+            for (d, b, source, m), n in sorted(self.tried.items())
+        }
+
+
+@dataclass
+class Candidate:
+    value: float  # estimated probability that the target accepts the whole path
+    key: tuple  # calibration key of the path's last node
+
+
+@register_proposer("suffix")
+class SuffixProposer(Proposer):
+    @dataclass
+    class Config:
+        k: int = 8  # deepest path of a draft tree (tokens after the pending one)
+        max_nodes: int = 16  # largest draft tree
+        max_match: int = 16  # longest suffix of the context looked up
+        adaptive: bool = True  # trees sized from T(n) and measured acceptance; false: max_nodes most frequent
+        memory_requests: int = 256  # earlier requests kept (0: no memory across requests)
+        memory_tokens: int = 200_000  # tokens kept in memory over all requests
+        memory_path: str | None = None  # JSON file the memory is loaded from and saved to after each request
+        explore_every: int = 16  # rounds switched off (no draft) between two one-node probes
+
+    sampled = False
+
+    def __init__(self, config: Config, context) -> None:
+        super().__init__(config, context)
+        for name in ("k", "max_nodes", "max_match", "explore_every"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"proposer.{name} must be >= 1, got {getattr(config, name)}")
+        if config.memory_requests < 0 or config.memory_tokens < 0:
+            raise ValueError(
+                "proposer.memory_requests and proposer.memory_tokens must be >= 0 (0 turns the memory off), "
+                f"got {config.memory_requests} and {config.memory_tokens}"
+            )
+        self.depth = config.max_match + config.k  # a match and its continuation fit in the index
+        self.calibration = SourceCalibration()
+        self._loaded = self._load_memory()  # the memory file's requests, what forget() returns to
+        self.memory = self._memory_of(self._loaded)
+        self.request = SuffixIndex(self.depth)
+        self._indexed = 0  # tokens of the request in self.request
+        self._seconds: list[float] | None = None  # T(1) .. T(max_nodes + 1), non-decreasing
+        self._draft_seconds = 0.0
+        self._rounds = 0
+        self._switched_off = 0  # rounds where candidates existed but no draft paid
+        self._last: tuple[Draft, list[tuple], float] | None = None  # (draft, node keys, drafting seconds)
+        self.sizes: dict[int, int] = {}  # nodes per round -> rounds
+        self.matched = {REQUEST: 0, MEMORY: 0}  # rounds where each source had a match
+        self.accepted_from = {REQUEST: 0, MEMORY: 0}  # accepted nodes, by the source that ranked them
+
+    # ------------------------------------------------------------------ requests
+
+    def begin(self, state) -> None:
+        self.request = SuffixIndex(self.depth)
+        self.request.open_document()
+        self._indexed = 0
+
+    def propose(self, state) -> Draft:
+        tick = time.perf_counter()
+        tokens = state.tokens
+        self.request.extend(tokens[self._indexed :])
+        self._indexed = len(tokens)
+        candidates = self._candidates(self.request, tokens, REQUEST)
+        for path, candidate in self._candidates(self.memory, tokens, MEMORY).items():
+            if path not in candidates or candidate.value > candidates[path].value:
+                candidates[path] = candidate
+        ranked = sorted(candidates.items(), key=lambda item: (-item[1].value, len(item[0])))
+        size = self._size([c.value for _, c in ranked]) if ranked else 0
+        draft, keys = tree_of(ranked[:size])
+        self._last = (draft, keys, time.perf_counter() - tick)
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        return draft
+
+    def observe(self, state, acceptance) -> None:
+        if self._last is None:
+            return
+        draft, keys, seconds = self._last
+        self._last = None
+        path = follow_tokens(draft, acceptance.tokens)
+        self.calibration.record(draft, keys, path)
+        for node in path:
+            self.accepted_from[keys[node][2]] += 1
+        self._draft_seconds += seconds
+        self._rounds += 1
+
+    def finish(self, state) -> None:
+        self._last = None
+        if self.config.memory_requests == 0 or self.config.memory_tokens == 0:
+            return
+        self.memory.add_document(state.tokens[-self.config.memory_tokens :])
+        self._evict(self.memory)
+        if self.config.memory_path:
+            save_memory(self.memory, Path(self.config.memory_path), self.context.target_key)
+
+    def forget(self) -> None:
+        self.memory = self._memory_of(self._loaded)
+
+    # ------------------------------------------------------------------ the tree
+
+    def _candidates(self, index: SuffixIndex, context: list[int], source: str) -> dict[tuple, Candidate]:
+        """The ``max_nodes`` best continuation paths of the longest match in ``index``,
+        best-first by estimated acceptance (adaptive) or by frequency."""
+        match = index.longest_match(context, self.config.max_match)
+        if match is None:
+            return {}
+        self.matched[source] += 1
+        match_length = match[1]
+        limit, max_depth = self.config.max_nodes, self.config.k
+        found: dict[tuple, Candidate] = {}
+        order = 0  # heap tie-break: insertion order
+        frontier: list[tuple[float, int, tuple, State, tuple]] = [(-1.0, order, (), match, ())]
+        while frontier and len(found) < limit:
+            negative, _, path, state, key = heapq.heappop(frontier)
+            if path:
+                found[path] = Candidate(-negative, key)
+            if len(path) == max_depth:
+                continue
+            children = list(index.continuations(state))
+            total = sum(c.count for c in children)
+            for child in sorted(children, key=lambda c: -c.count)[:limit]:
+                # share of the occurrences that continued with this token, one unseen
+                # occurrence added: 1 of 1 is 0.5, 5 of 5 is 0.83 (few occurrences prove little)
+                frequency = child.count / (total + 1)
+                depth = len(path)
+                key = self.calibration.source_key(depth, frequency, source, match_length)
+                rate = self.calibration.rate(key) if self.config.adaptive else frequency
+                order += 1
+                heapq.heappush(frontier, (negative * rate, order, path + (child.token,), child.state, key))
+        return found
+
+    def _size(self, values: list[float]) -> int:
+        """How many of the ranked candidates to send: all up to max_nodes, or (adaptive)
+        the number that maximises expected tokens per second, possibly none."""
+        if not self.config.adaptive:
+            return min(len(values), self.config.max_nodes)
+        draft_seconds = self._draft_seconds / max(self._rounds, 1)
+        size, _ = best_tree_size(values, self._pass_seconds(), draft_seconds, allow_empty=True)
+        if size == 0:
+            self._switched_off += 1
+            if self._switched_off % self.config.explore_every == 0:
+                return 1  # keep measuring what is switched off, so that it can recover
+        return size
+
+    def _pass_seconds(self) -> list[float]:
+        if self._seconds is None:
+            self._seconds = self.context.cost_curve().non_decreasing(self.config.max_nodes + 1)
+        return self._seconds
+
+    # ------------------------------------------------------------------ memory
+
+    def _load_memory(self) -> list[list[int]]:
+        """The requests saved in ``memory_path`` (none if unset or not written yet)."""
+        path = self.config.memory_path
+        if not path or not Path(path).exists():
+            return []
+        return load_memory(Path(path), self.context.target_key)
+
+    def _memory_of(self, requests: list[list[int]]) -> SuffixIndex:
+        """A memory index over ``requests`` (oldest first), within the bounds."""
+        memory = SuffixIndex(self.depth)
+        for request in requests:
+            memory.add_document(request)
+        self._evict(memory)
+        return memory
+
+    def _evict(self, memory: SuffixIndex) -> None:
+        """Drop the oldest requests until ``memory`` is within both bounds."""
+        config = self.config
+        while memory.documents > config.memory_requests or memory.tokens > config.memory_tokens:
+            memory.remove_oldest()
+
+    def describe(self) -> dict:
+        rounds = sum(self.sizes.values())
+        return {
+            "mean_tree_nodes": round(sum(n * c for n, c in self.sizes.items()) / rounds, 3)
+            if rounds
+            else None,
+            "rounds_without_draft": self.sizes.get(0, 0),
+            "rounds_matched": dict(self.matched),
+            "accepted_nodes_from": dict(self.accepted_from),
+            "memory_requests": self.memory.documents,
+            "memory_tokens": self.memory.tokens,
+            "acceptance_by_source_match_depth_frequency": self.calibration.as_dict(),
+        }
+
+
+def tree_of(ranked: list[tuple[tuple, Candidate]]) -> tuple[Draft, list[tuple]]:
+    """The draft holding the given paths (closed under prefixes), and each node's key.
+    Nodes go by depth, siblings by descending value, so the best path is the principal one."""
+    ordered = sorted(ranked, key=lambda item: (len(item[0]), -item[1].value))
+    node_of: dict[tuple, int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    keys: list[tuple] = []
+    for path, candidate in ordered:
+        node_of[path] = len(tokens)
+        tokens.append(path[-1])
+        parents.append(node_of[path[:-1]] if len(path) > 1 else -1)
+        keys.append(candidate.key)
+    return Draft(tokens, parents), keys
+
+
+def save_memory(memory: SuffixIndex, path: Path, target: str) -> None:
+    """Write the memory's requests (oldest first) as JSON, atomically; ``target`` names
+    the model (and so the tokenizer) whose token ids they are."""
+    payload = {
+        "format": MEMORY_FORMAT,
+        "target": target,
+        "requests": [memory.document(i) for i in range(memory.documents)],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(payload, handle)
+    os.replace(tmp, path)
+
+
+def load_memory(path: Path, target: str) -> list[list[int]]:
+    """The requests (token lists, oldest first) saved in ``path`` by :func:`save_memory` for ``target``."""
+    try:
+        payload = json.loads(path.read_text())
+        requests = payload["requests"]
+        if payload.get("format") != MEMORY_FORMAT or not all(
+            isinstance(r, list) and all(isinstance(t, int) for t in r) for r in requests
+        ):
+            raise ValueError("not a list of token lists")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"proposer.memory_path={path} is not a suffix memory file ({error}); delete it or point "
+            "proposer.memory_path at another file"
+        ) from error
+    if payload.get("target") != target:
+        raise ValueError(
+            f"proposer.memory_path={path} holds token ids of {payload.get('target')!r}, not of the target "
+            f"{target!r}; point proposer.memory_path at a file of this target's (or a new one)"
+        )
+    return requests
