@@ -98,7 +98,7 @@ def test_distillation_raises_acceptance_on_heldout_prompts(distilled, tiny_model
 def test_saved_draft_is_an_ordinary_hf_model(distilled, tiny_model):
     target, tokenizer = tiny_model
     artifact = distilled / "tiny-random-v320-h64-l2-s0" / "draft_model"
-    assert not (artifact / "checkpoint.pt").exists()
+    assert not (artifact / "checkpoint").exists()
     draft = AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float64)
     assert draft.config.num_hidden_layers == 1 and draft.config.vocab_size == 320
     torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight)  # frozen: the target's head

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from decoders.session import ModelSession
 from proposers.copy_attention import mixture
 from proposers.medusa import CONFIG_FILE, LORA_TARGETS, MedusaHeads, best_tree, load_artifact, save_artifact
+from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
 from train.loop import FitConfig, fit
@@ -70,6 +71,8 @@ def train(job: TrainJob) -> Path:
     lm_head = job.pipeline.model.get_output_embeddings()
     embeddings = job.pipeline.model.get_input_embeddings()
     if job.eval_only:  # measure the existing artifact again (e.g. on new eval prompts)
+        if not job.is_main_process:
+            return job.output_dir
         if not (job.output_dir / CONFIG_FILE).exists():
             raise FileNotFoundError(
                 f"train.eval.only=true, but there is no Medusa artifact at {job.output_dir}"
@@ -100,8 +103,10 @@ def train(job: TrainJob) -> Path:
           file=sys.stderr)  # fmt: skip
 
     fingerprint = _fingerprint(job, cfg, positions)
-    checkpoint = job.output_dir / "checkpoint.pt"
-    last = fit(heads, rows, loss_fn, fit_cfg, checkpoint, fingerprint, job.logger, resume=job.resume)
+    checkpoint = job.output_dir / "checkpoint"
+    last = fit(heads, rows, loss_fn, fit_cfg, checkpoint, fingerprint, job.logger, job.resume, job.scale)
+    if not job.is_main_process:
+        return job.output_dir
 
     metrics = measure(job, heads, heldout, cfg)
     heldout_metrics = metrics.pop("heldout")
@@ -127,7 +132,7 @@ def train(job: TrainJob) -> Path:
         },
     }
     save_artifact(peft_heads, job.output_dir, meta)
-    checkpoint.unlink(missing_ok=True)
+    checkpoints.remove(checkpoint)
     return job.output_dir
 
 
