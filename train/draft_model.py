@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import PartialState
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -68,6 +67,7 @@ from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
 from train.loop import FitConfig, fit
+from train.processes import process_state
 
 META_FILE = "distill.json"
 LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")  # decoder layer index in a state-dict key
@@ -105,8 +105,9 @@ def train(job: TrainJob) -> Path:
     sequences = job.sequences()
     training, heldout = split_heldout(sequences, job.data_config.heldout)
     rows = training_rows(training)
-    print(f"[train] draft_model: target layers {layers}, {int(rows['response_len'].sum())} training positions "
-          f"from {len(rows['input_ids'])} sequences, {len(heldout)} held out", file=sys.stderr)  # fmt: skip
+    if job.is_main_process:
+        print(f"[train] draft_model: target layers {layers}, {int(rows['response_len'].sum())} training positions "
+              f"from {len(rows['input_ids'])} sequences, {len(heldout)} held out", file=sys.stderr)  # fmt: skip
 
     token_counts = torch.bincount(
         torch.cat([torch.tensor(s.response) for s in training]), minlength=target.config.vocab_size
@@ -115,7 +116,7 @@ def train(job: TrainJob) -> Path:
     output.mkdir(parents=True, exist_ok=True)
     if job.is_main_process:
         save_draft_vocab(output, token_counts)
-    PartialState().wait_for_everyone()  # every process reads the ranking below
+    process_state().wait_for_everyone()  # every process reads the ranking below
     ranked = int((token_counts > 0).sum())
     vocabularies = {
         size: DraftVocabulary.load(output, size)

@@ -95,8 +95,9 @@ def train(job: TrainJob) -> Path:
     heldout_examples = exit_examples(target, heldout, start_layer, keep_context=cfg.shallow_lora_layers > 0)
     evaluation = job.eval_sequences()
     eval_examples = exit_examples(target, evaluation, start_layer, keep_context=cfg.shallow_lora_layers > 0)
-    print(f"[train] early_exit layer {cfg.exit_layer}: {sum(len(e.final_hidden) for e in examples)} positions "
-          f"from {len(examples)} sequences, {len(heldout_examples)} held out", file=sys.stderr)  # fmt: skip
+    if job.is_main_process:
+        print(f"[train] early_exit layer {cfg.exit_layer}: {sum(len(e.final_hidden) for e in examples)} positions "
+              f"from {len(examples)} sequences, {len(heldout_examples)} held out", file=sys.stderr)  # fmt: skip
 
     head, peft_layers = build_exit(target, cfg)
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)

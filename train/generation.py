@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
 from decoders.sampling import SamplingConfig, processed_probs, sample
+from train.processes import process_state
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ def generate_all(
     Every process of a run calls this with the same requests; each generates its share
     of the batches (the batches a single process would form, so outputs do not depend on
     the number of processes) and returns all of them. Progress shows the main process's share."""
-    state = PartialState()
+    state = process_state()
     pending = [r for r in requests if store.get(r, settings.keep_hidden) is None]
     if pending:
         pending.sort(key=lambda r: len(r.prompt))

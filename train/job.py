@@ -32,6 +32,7 @@ from decoders.models import ModelConfig, load_model
 from decoders.pipeline import Pipeline
 from train.data import DataConfig, Sequence, eval_sequences, self_distilled
 from train.loop import RunLogger, ScaleConfig
+from train.processes import process_state
 
 #: drafter name -> module defining ``Config`` and ``train(job)``.
 DRAFTERS: dict[str, str] = {
@@ -98,7 +99,7 @@ class TrainJob:
     @property
     def is_main_process(self) -> bool:
         """The process that evaluates and writes the artifact (the only one in a plain run)."""
-        return PartialState().is_main_process
+        return process_state().is_main_process
 
     @property
     def eval_only(self) -> bool:
@@ -131,7 +132,7 @@ class TrainJob:
 def run(cfg: DictConfig) -> Path:
     """Train ``cfg.drafter`` for ``cfg.model``; returns the artifact directory."""
     module = drafter_module(cfg.drafter.name)
-    state = PartialState()  # joins the process group under accelerate launch / torchrun
+    state = process_state()  # joins the process group under accelerate launch / torchrun
     model_cfg = process_model_config(model_config(cfg), state)
     target, tokenizer = load_model(model_cfg)
     pipeline = Pipeline(target, tokenizer, model_config=model_cfg, artifacts_dir=cfg.artifacts_dir)
@@ -149,8 +150,9 @@ def run(cfg: DictConfig) -> Path:
 
 def process_model_config(model_cfg: ModelConfig, state: PartialState) -> ModelConfig:
     """This process's target placement: ``device: auto`` means the device accelerate gives
-    the process (its own GPU in a multi-GPU run, the CPU under ``--cpu``). ``device_map`` spreads one copy of the
-    target over every GPU the process sees, so it takes one process per machine."""
+    the process (its own GPU in a multi-GPU run, the CPU without CUDA or under ``--cpu``).
+    ``device_map`` spreads one copy of the target over every GPU the process sees, so it
+    takes one process per machine."""
     if model_cfg.device_map:
         if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
             raise ValueError(

@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+from accelerate import Accelerator, DataLoaderConfiguration
 from omegaconf import DictConfig
 from tqdm import tqdm
 
 from train import checkpoints
 from train.batches import Rows, StepBatches, whole_batch
+from train.processes import process_state
 
 LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 PRECISIONS = ("auto", "no", "bf16", "fp16")
@@ -157,7 +158,7 @@ def fit(
         raise ValueError("the drafter has no trainable parameters")
     accelerator = Accelerator(
         gradient_accumulation_steps=scale.accumulation_steps,
-        mixed_precision=scale.precision(PartialState().device),
+        mixed_precision=scale.precision(process_state().device),
         dataloader_config=DataLoaderConfiguration(split_batches=True),
     )
     shards = accelerator.num_processes * scale.accumulation_steps

@@ -97,10 +97,11 @@ def train(job: TrainJob) -> Path:
         positions = len(rows["hidden"])
         loss_fn = head_loss(heads, peft_heads, weights, cfg.num_heads)
         fit_cfg = cfg
-    print(f"[train] medusa: {positions} training positions from {len(training)} sequences "
-          f"({len(heldout)} held out); draft vocabulary {len(draft_vocab) if draft_vocab is not None else 'all'} "
-          f"tokens, covering {coverage(draft_vocab, heldout):.1%} of held-out response tokens",
-          file=sys.stderr)  # fmt: skip
+    if job.is_main_process:
+        print(f"[train] medusa: {positions} training positions from {len(training)} sequences "
+              f"({len(heldout)} held out); draft vocabulary {len(draft_vocab) if draft_vocab is not None else 'all'} "
+              f"tokens, covering {coverage(draft_vocab, heldout):.1%} of held-out response tokens",
+              file=sys.stderr)  # fmt: skip
 
     fingerprint = _fingerprint(job, cfg, positions)
     checkpoint = job.output_dir / "checkpoint"
