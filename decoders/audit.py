@@ -62,6 +62,7 @@ from decoders.config import (  # noqa: E402
     to_dataclass,
     workload_config,
 )
+from decoders.errors import cli_errors  # noqa: E402
 from decoders.metrics import first_divergence  # noqa: E402
 from decoders.models import load_model  # noqa: E402
 from decoders.registry import verifier_registry  # noqa: E402
@@ -665,6 +666,7 @@ def log_audit(cfg: DictConfig, payload: dict) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="audit", version_base="1.3")
+@cli_errors
 def main(cfg: DictConfig) -> None:
     output = Path(cfg.audit.output)
     payload = run_audit(cfg, checkpoint=lambda partial: write_json(output, partial))

@@ -74,8 +74,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         resolved = None
     if not isinstance(resolved, torch.dtype):
         raise ValueError(
-            f"model.dtype={dtype!r} is not a torch dtype; use auto, float32, bfloat16, "
-            "float16 or float64."
+            f"model.dtype={dtype!r} is not a torch dtype; use auto, float32, bfloat16, float16 or float64."
         )
     return resolved
 
@@ -125,9 +124,7 @@ def smollm2_directory() -> Path:
     gguf_dir = _smollm2_gguf_dir()
     print(f"Dequantizing {SMOLLM2_GGUF} once into {target} (about a minute)...", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-    quantized = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
-    )
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     # The GGUF-loaded model refuses to serialize; copy its dequantized weights into
     # a plain model built from the same config minus the quantization record.
     config_dict = quantized.config.to_dict()

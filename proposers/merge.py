@@ -45,7 +45,10 @@ class MergeProposer(Proposer):
     class Config:
         # member proposers: names or {name: ..., options...}, as for `proposer`
         members: list[Any] = field(
-            default_factory=lambda: [{"name": "medusa", "tree": "auto", "tree_budget": "auto"}, {"name": "ngram"}]
+            default_factory=lambda: [
+                {"name": "medusa", "tree": "auto", "tree_budget": "auto"},
+                {"name": "ngram"},
+            ]
         )
 
     sampled = False  # True when a member samples (set in __init__)

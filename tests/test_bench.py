@@ -34,7 +34,7 @@ PIPELINE_FIELDS = {
 }
 
 
-def test_bench_cli_greedy_two_turns_with_repeats_and_peers(tmp_path, monkeypatch):
+def test_bench_cli_greedy_two_turns_with_repeats_and_peers(drafting_pays, tmp_path, monkeypatch):
     """Every DESIGN.md field, lossless greedy outputs, turn 2 fed the model's first answer."""
     workload = write_workload(tmp_path)
     fed_answers: dict[str, str | None] = {}
@@ -112,8 +112,9 @@ def test_bench_cli_sampling(tmp_path, monkeypatch):
     assert not list(output.parent.glob("*.png"))
 
 
-def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch):
-    """Ctrl-C during the third prompt: results.json holds the two finished prompts."""
+def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the third prompt: results.json holds the two finished prompts, and
+    the command says so and exits with status 130, without a traceback."""
     make_contender = bench.pipeline_contender
 
     def interrupting_contender(pipeline):
@@ -134,11 +135,13 @@ def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "pipeline_contender", interrupting_contender)
     run_dir = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as exit_info:
         run_bench(
             monkeypatch,
             tiny_overrides(write_workload(tmp_path), "proposer=ngram", f"hydra.run.dir={run_dir}"),
         )
+    assert exit_info.value.code == 130
+    assert "results of the 2 finished prompt(s) are in" in capsys.readouterr().err
 
     results = json.loads((run_dir / "results.json").read_text())
     assert results["prompts"] == 2

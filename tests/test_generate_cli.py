@@ -17,7 +17,9 @@ def run_generate(*overrides: str, cwd) -> subprocess.CompletedProcess:
 
 
 def test_generate_streams_and_prints_stats(tmp_path):
-    done = run_generate("prompt=hello hello hello", "proposer=ngram", "verifier=greedy", "max_new_tokens=24", cwd=tmp_path)
+    done = run_generate(
+        "prompt=hello hello hello", "proposer=ngram", "verifier=greedy", "max_new_tokens=24", cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "[ngram+greedy]" in done.stderr
     assert "mean accepted (tau)" in done.stderr

@@ -238,7 +238,7 @@ def test_greedy_output_equals_standard_decoding(base, proposer, verifier):
     ],
     ids=["chain-rejection", "dynamic-tree", "merged-with-ngram"],
 )
-def test_sampling_keeps_the_targets_distribution(base, proposer, verifier):
+def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, verifier):
     """Drafted tokens (from the second generated one on) follow the target's
     distribution exactly, whether sampled chains (rejection sampling against the
     heads' draft_probs) or deterministic dynamic trees (point-mass rule): chi-square
