@@ -23,7 +23,7 @@ def process_state() -> PartialState:
     """The run's process group (joined on first call; one process outside a launcher)."""
     cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
     if cpu and _one_of_many_requested():
-        raise RuntimeError(
+        raise ValueError(
             "accelerate launch --cpu --num_processes N starts a single process; for N CPU processes run "
             "`accelerate launch --multi_gpu --num_processes N -m train ...` (gloo on a machine without GPUs) "
             "or `torchrun --nproc_per_node N -m train ...`"
