@@ -116,7 +116,11 @@ def test_total_variation_over_a_draft_vocabulary_raises_agreement_there(distille
     greedy agreement with the target among those 32 tokens rises. (Its 1 - TV there
     starts at its ceiling, the target's mass on the 32 tokens: this target is flat.)"""
     data = distilled / "tiny-random-v320-h64-l2-s0" / "data"
-    options = ["drafter.loss=tv", "drafter.draft_vocab_size=32", "drafter.epochs=3"]
+    options = [
+        "drafter.loss=tv",
+        "drafter.draft_vocab_size=32",
+        "drafter.epochs=4",
+    ]  # 3: 1 seed in 4 misses the bar
     artifact = run(
         compose_train(TINY_DISTILL + options + [f"train.data_dir={data}", f"train.output={tmp_path}"])
     )

@@ -2,7 +2,8 @@
 
 The rows form a stream of epochs, each a permutation seeded by (seed, epoch); global
 step s reads positions [s * B, (s + 1) * B) of that stream (B rows, the global batch),
-so every step is a full batch and its rows depend only on the seed and the step.
+so every step is a full batch and its rows depend only on the seed and the step. (An
+epoch counts ceil(rows / B) steps, so its last step takes the first rows of the next.)
 With gradient accumulation over A micro-steps, micro-step m reads B / A of them, and
 accelerate (``split_batches``) hands each of P processes its B / (A * P).
 

@@ -169,7 +169,8 @@ def fit(
             f"multiple of {shards} (e.g. {math.ceil(cfg.batch_size / shards) * shards})"
         )
     count = len(next(iter(rows.values())))
-    total_steps = max(math.ceil(cfg.epochs * count / cfg.batch_size), 1)
+    steps_per_epoch = math.ceil(count / cfg.batch_size)  # the last one runs into the next epoch's rows
+    total_steps = max(math.ceil(cfg.epochs * steps_per_epoch), 1)
     optimizer = torch.optim.AdamW(trainable.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup_steps = int(cfg.warmup * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -216,7 +217,7 @@ def fit(
                 if step % cfg.log_every == 0 or step == total_steps:
                     last = _mean_over_processes(accelerator, window)
                     last["train/lr"] = scheduler.get_last_lr()[0]
-                    last["train/epoch"] = step * cfg.batch_size / count
+                    last["train/epoch"] = step / steps_per_epoch
                     logger.log(last, step)
                     progress.set_postfix(loss=f"{last['train/loss']:.3f}")
                     window = {}
