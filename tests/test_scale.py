@@ -22,6 +22,8 @@ from tests.conftest import REPO_ROOT
 from tests.test_train import compose_train
 from train.draft_model import META_FILE
 from train.job import run
+from train.loop import FitConfig, RunLogger, ScaleConfig, fit
+from train.processes import process_state
 
 TARGET_KEY = "tiny-random-v320-h64-l2-s0"
 RECIPE = [
@@ -156,3 +158,43 @@ def test_run_killed_at_a_checkpoint_resumes_to_the_same_weights(two_processes, t
     expected = weights(two_processes / TARGET_KEY / "draft_model")
     for name, value in weights(tmp_path / TARGET_KEY / "draft_model").items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+
+
+def fit_linear(tmp_path: Path, scale: ScaleConfig, batch_size: int = 8) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    rows = {"x": torch.randn(50, 3, dtype=torch.float64), "y": torch.randn(50, dtype=torch.float64)}
+    torch.manual_seed(1)
+    module = torch.nn.Linear(3, 1).double()
+
+    def loss_fn(batch):
+        return ((module(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean(), {}
+
+    logger = RunLogger(compose_train(["logger=disabled"]).logger, {}, "test")
+    cfg = FitConfig(epochs=3, batch_size=batch_size, lr=0.05)
+    fit(module, rows, loss_fn, cfg, tmp_path / "checkpoint", "f", logger, scale=scale)
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_gradient_accumulation_keeps_the_global_batch(tmp_path):
+    """Two micro-steps of 4 rows per optimizer step train like one step of 8 rows."""
+    whole = fit_linear(tmp_path / "whole", ScaleConfig(accumulation_steps=1))
+    accumulated = fit_linear(tmp_path / "accumulated", ScaleConfig(accumulation_steps=2))
+    for got, want in zip(accumulated, whole):
+        torch.testing.assert_close(got, want)
+    halved = fit_linear(tmp_path / "halved", ScaleConfig(), batch_size=4)  # what accumulation must not be
+    assert not torch.allclose(halved[0], whole[0])
+
+
+def test_scale_settings_that_cannot_work_say_what_to_set(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"multiple of 3 \(e\.g\. 9\)"):
+        fit_linear(tmp_path, ScaleConfig(accumulation_steps=3))
+    with pytest.raises(ValueError, match="train.mixed_precision='fp64'"):
+        ScaleConfig(mixed_precision="fp64").precision(torch.device("cpu"))
+    assert ScaleConfig().precision(torch.device("cpu")) == "no"  # CPUs stay in float32 unless asked
+    # accelerate launch --cpu --num_processes 2 starts one process without a rank
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for key in ("RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="--multi_gpu --num_processes N"):
+        process_state()
