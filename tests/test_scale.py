@@ -190,7 +190,11 @@ def test_scale_settings_that_cannot_work_say_what_to_set(tmp_path, monkeypatch):
         fit_linear(tmp_path, ScaleConfig(accumulation_steps=3))
     with pytest.raises(ValueError, match="train.mixed_precision='fp64'"):
         ScaleConfig(mixed_precision="fp64").precision(torch.device("cpu"))
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     assert ScaleConfig().precision(torch.device("cpu")) == "no"  # CPUs stay in float32 unless asked
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
+    assert ScaleConfig().precision(torch.device("cpu")) == "bf16"
+    assert ScaleConfig(mixed_precision="no").precision(torch.device("cpu")) == "no"
     # accelerate launch --cpu --num_processes 2 starts one process without a rank
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

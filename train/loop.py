@@ -21,6 +21,7 @@ keeping the last checkpoint.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -62,17 +63,22 @@ class ScaleConfig:
     """``train.*`` settings of how a run executes, not what it learns (not in the fingerprint)."""
 
     accumulation_steps: int = 1  # micro-steps per optimizer step; the global batch stays batch_size
-    mixed_precision: str = "auto"  # auto = bf16 on CUDA devices that have it, else no; no | bf16 | fp16
+    mixed_precision: str = "auto"  # auto = the launcher's --mixed_precision, else bf16 on CUDA that has it
 
     def precision(self, accelerator_device: torch.device) -> str:
-        """The ``mixed_precision`` for accelerate. ``auto`` keeps CPUs in float32: the drafters'
-        recipes and figures are float32 there; ``bf16`` opts in."""
+        """The ``mixed_precision`` for accelerate. ``auto`` takes ``accelerate launch
+        --mixed_precision`` when it is not ``no`` (the launcher always sets one), else bf16
+        on CUDA devices that have it, and keeps CPUs in float32 (the drafters' recipes and
+        figures are float32 there; ``bf16`` opts in)."""
         if self.mixed_precision not in PRECISIONS:
             raise ValueError(
                 f"train.mixed_precision={self.mixed_precision!r}: use one of {', '.join(PRECISIONS)}"
             )
         if self.mixed_precision != "auto":
             return self.mixed_precision
+        launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if launcher != "no":
+            return launcher
         cuda = accelerator_device.type == "cuda" and torch.cuda.is_bf16_supported()
         return "bf16" if cuda else "no"
 
