@@ -669,7 +669,18 @@ def log_audit(cfg: DictConfig, payload: dict) -> None:
 @cli_errors
 def main(cfg: DictConfig) -> None:
     output = Path(cfg.audit.output)
-    payload = run_audit(cfg, checkpoint=lambda partial: write_json(output, partial))
+    written: list[dict] = []
+
+    def keep(partial: dict) -> None:
+        write_json(output, partial)
+        written[:] = [partial]
+
+    try:
+        payload = run_audit(cfg, checkpoint=keep)
+    except KeyboardInterrupt:
+        kept = f"the partial record (complete: false) is in {output}" if written else "nothing had finished"
+        print(f"\n[audit] interrupted: {kept}", file=sys.stderr)
+        raise
     write_json(output, payload)
     for d in payload["divergences"]:
         print(

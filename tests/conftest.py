@@ -85,6 +85,24 @@ def tiny_pipeline(tiny_model, tiny_config, tmp_path) -> Pipeline:
     return Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=tmp_path / "artifacts")
 
 
+@pytest.fixture(scope="session")
+def trained_artifacts(tmp_path_factory) -> Path:
+    """An artifacts dir with the default Medusa recipe (copy heads) trained for the tiny
+    model (seconds), so pipelines over every registered proposer can run."""
+    from tests.test_train import train_tiny_medusa
+
+    directory = tmp_path_factory.mktemp("trained-artifacts")
+    train_tiny_medusa(directory)
+    return directory
+
+
+@pytest.fixture()
+def trained_pipeline(tiny_model, tiny_config, trained_artifacts) -> Pipeline:
+    """The tiny pipeline whose artifacts dir holds trained heads (see ``trained_artifacts``)."""
+    model, tokenizer = tiny_model
+    return Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=trained_artifacts)
+
+
 def random_prompts(count: int, vocab: int = 256, seed: int = 0, repetitive: bool = True) -> list[list[int]]:
     """Token-id prompts; repetitive ones give prompt lookup something to find."""
     generator = torch.Generator().manual_seed(seed)

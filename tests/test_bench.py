@@ -54,6 +54,9 @@ def test_bench_cli_greedy_two_turns_with_repeats_and_peers(drafting_pays, tmp_pa
     for key, kind in TOP_LEVEL.items():
         assert isinstance(results[key], kind), key
     assert results["model"].startswith("tiny-random") and results["dtype"] == "float64"
+    machine = results["machine"]  # where the figures hold
+    assert machine["cpu"] and machine["threads"] >= 1 and isinstance(machine["vector_extensions"], list)
+    assert machine["torch"] and machine["transformers"]
     assert (results["temperature"], results["max_new_tokens"], results["prompts"]) == (0.0, 8, 3)
     pipelines = {p["name"]: p for p in results["pipelines"]}
     assert set(pipelines) == {"standard", "ngram+greedy", "hf_generate", "hf_prompt_lookup"}
@@ -194,6 +197,18 @@ def test_bench_pipelines_list_runs_several_pipelines_in_one_run(tmp_path, monkey
     assert 0 < entries["ngram_k2"]["mean_draft_size"] <= 2  # its own options, not the first entry's
     assert entries["ngram_k2"]["info"]["proposer_config"]["k"] == 2
     assert entries["ngram+greedy"]["info"]["proposer_config"]["k"] == 5
+
+
+def test_default_pipelines_skip_the_ones_without_a_trained_artifact(tmp_path, monkeypatch, capsys):
+    """No proposer= and no bench.pipelines: bench.default_pipelines, minus those whose
+    artifact is missing (named with the command that trains it)."""
+    run_dir = tmp_path / "run"
+    defaults = "bench.default_pipelines=[{proposer:ngram,label:lookup},{proposer:medusa,label:heads}]"
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), f"hydra.run.dir={run_dir}", defaults,
+                                          f"artifacts_dir={tmp_path / 'none'}"))  # fmt: skip
+    results = json.loads((run_dir / "results.json").read_text())
+    assert [p["name"] for p in results["pipelines"]] == ["standard", "lookup"]
+    assert "skipping heads: no Medusa heads" in capsys.readouterr().err
 
 
 def test_bench_pipelines_list_rejects_a_malformed_entry():
