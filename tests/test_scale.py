@@ -1,6 +1,7 @@
 """Training in several processes: a tiny draft model distilled by 2 CPU processes (gloo)
 under ``accelerate launch`` and ``torchrun``, against a single-process run of the same
-global batch, and a run killed at a checkpoint and resumed."""
+global batch; a run killed at a checkpoint and resumed; a process that starts late;
+gradient accumulation and the settings that cannot work."""
 
 from __future__ import annotations
 
@@ -208,3 +209,18 @@ def test_scale_settings_that_cannot_work_say_what_to_set(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="--multi_gpu --num_processes N"):
         process_state()
+
+
+def test_a_late_process_sees_the_same_data_cache(two_processes, tmp_path):
+    """Rank 1 looks at the cache after rank 0 could have begun writing to it; both still
+    split the same batches: the run trains, and its cache holds the parts of the fixture's."""
+    result = accelerate_launch(["tests.late_rank", *RECIPE, f"artifacts_dir={tmp_path}", "drafter.epochs=1"])
+    assert result.returncode == 0, failure(result)
+
+    def parts(artifacts: Path) -> dict[str, int]:
+        return {
+            stage.name: len(list(stage.glob("part_*.json")))
+            for stage in (artifacts / TARGET_KEY / "data").iterdir()
+        }
+
+    assert parts(tmp_path) == parts(two_processes)  # no batch generated twice

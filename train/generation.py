@@ -211,6 +211,9 @@ def generate_all(
     of the batches (the batches a single process would form, so outputs do not depend on
     the number of processes) and returns all of them. Progress shows the main process's share."""
     state = process_state()
+    if state.num_processes > 1:  # every process must see the same parts: none writes before all have looked
+        store.refresh()
+        state.wait_for_everyone()
     pending = [r for r in requests if store.get(r, settings.keep_hidden) is None]
     if pending:
         pending.sort(key=lambda r: len(r.prompt))
