@@ -98,7 +98,7 @@ def test_distillation_raises_acceptance_on_heldout_prompts(distilled, tiny_model
 def test_saved_draft_is_an_ordinary_hf_model(distilled, tiny_model):
     target, tokenizer = tiny_model
     artifact = distilled / "tiny-random-v320-h64-l2-s0" / "draft_model"
-    assert not (artifact / "checkpoint.pt").exists()
+    assert not (artifact / "checkpoint").exists()
     draft = AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float64)
     assert draft.config.num_hidden_layers == 1 and draft.config.vocab_size == 320
     torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight)  # frozen: the target's head
@@ -116,7 +116,11 @@ def test_total_variation_over_a_draft_vocabulary_raises_agreement_there(distille
     greedy agreement with the target among those 32 tokens rises. (Its 1 - TV there
     starts at its ceiling, the target's mass on the 32 tokens: this target is flat.)"""
     data = distilled / "tiny-random-v320-h64-l2-s0" / "data"
-    options = ["drafter.loss=tv", "drafter.draft_vocab_size=32", "drafter.epochs=3"]
+    options = [
+        "drafter.loss=tv",
+        "drafter.draft_vocab_size=32",
+        "drafter.epochs=4",
+    ]  # 3: 1 seed in 4 misses the bar
     artifact = run(
         compose_train(TINY_DISTILL + options + [f"train.data_dir={data}", f"train.output={tmp_path}"])
     )

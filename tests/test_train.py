@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -146,8 +148,8 @@ def test_prompt_file_formats_and_errors(tmp_path):
 
 
 def test_interrupted_training_resumes_to_the_same_result(tmp_path):
-    """Ctrl-C saves a checkpoint; rerunning continues with the same batches and
-    optimizer state, ending exactly where an uninterrupted run ends."""
+    """Ctrl-C ends the step, then saves a checkpoint; rerunning continues with the same
+    batches and optimizer state, ending exactly where an uninterrupted run ends."""
     torch.manual_seed(0)
     rows = {"x": torch.randn(50, 3, dtype=torch.float64), "y": torch.randn(50, dtype=torch.float64)}
     cfg = FitConfig(epochs=3, batch_size=8, lr=0.05, checkpoint_every=4)
@@ -157,23 +159,25 @@ def test_interrupted_training_resumes_to_the_same_result(tmp_path):
         torch.manual_seed(1)
         return torch.nn.Linear(3, 1).double()
 
-    def loss_fn(batch, fail_at=None, calls=[0]):  # noqa: B006 - a call counter
+    def loss_fn(batch, interrupt_at=None, calls=[0]):  # noqa: B006 - a call counter
         calls[0] += 1
-        if calls[0] == fail_at:
-            raise KeyboardInterrupt
+        if calls[0] == interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
         return ((module(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean(), {}
 
     module = make_module()
-    fit(module, rows, loss_fn, cfg, tmp_path / "a.pt", "f", logger)
+    fit(module, rows, loss_fn, cfg, tmp_path / "a", "f", logger)
     expected = [p.detach().clone() for p in module.parameters()]
 
     module = make_module()
     calls = [0]
     with pytest.raises(KeyboardInterrupt):
-        fit(module, rows, lambda b: loss_fn(b, fail_at=11, calls=calls), cfg, tmp_path / "b.pt", "f", logger)
-    assert torch.load(tmp_path / "b.pt", weights_only=True)["step"] == 10
+        fit(
+            module, rows, lambda b: loss_fn(b, interrupt_at=11, calls=calls), cfg, tmp_path / "b", "f", logger
+        )
+    assert [d.name for d in (tmp_path / "b").iterdir()] == ["step-00000011"]  # the step it was in, completed
     module = make_module()
-    fit(module, rows, loss_fn, cfg, tmp_path / "b.pt", "f", logger)
+    fit(module, rows, loss_fn, cfg, tmp_path / "b", "f", logger)
     for got, want in zip(module.parameters(), expected):
         torch.testing.assert_close(got, want)
 
@@ -183,7 +187,7 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
     meta = json.loads((artifact / "medusa.json").read_text())
     assert (artifact / "heads.safetensors").exists()
     assert (artifact / "adapter" / "adapter_model.safetensors").exists()
-    assert not (artifact / "checkpoint.pt").exists()
+    assert not (artifact / "checkpoint").exists()
     assert meta["target"] == "tiny-random-v320-h64-l2-s0" and meta["num_heads"] == 4
 
     # Trained heads against fresh ones, on the held-out sequences (read back from the cache).

@@ -5,10 +5,13 @@
     python -m train drafter=medusa train.data.path=my_prompts.jsonl
 
 Modules: :mod:`train.prompts` (the built-in prompt set), :mod:`train.generation`
-(batched, cached, resumable generation), :mod:`train.data` (self-distilled
-sequences), :mod:`train.loop` (the shared training loop: checkpoints, W&B,
-progress), :mod:`train.job` (one run, and the drafter registry), and one module
-per drafter (:mod:`train.medusa`). Artifacts go to
+(batched, cached, resumable generation, split across processes), :mod:`train.data`
+(self-distilled sequences), :mod:`train.loop` (the shared training loop on
+``accelerate``: W&B, progress), :mod:`train.batches` (the rows of each step),
+:mod:`train.checkpoints` (save_state/load_state, kill-safe), :mod:`train.processes`
+(the run's process group), :mod:`train.job` (one run, and the drafter registry), and
+one module per drafter (:mod:`train.medusa`). The same command runs data-parallel
+under ``accelerate launch`` or ``torchrun`` (README "Training at scale"). Artifacts go to
 ``<artifacts_dir>/<target>/<drafter>``, where the matching proposer finds them.
 """
 

@@ -27,6 +27,7 @@ from decoders.pipeline import Pipeline
 from decoders.sampling import SamplingConfig
 from train import prompts as builtin
 from train.generation import Generation, GenerationSettings, GenerationStore, Request, generate_all
+from train.processes import process_state
 
 
 @dataclass
@@ -179,7 +180,7 @@ def _magpie_requests(pipeline: Pipeline, cfg: DataConfig, data_root: Path) -> li
         text = _text(pipeline, generation)
         if generation.output and generation.output[-1] in eos and text:
             kept.append((i, text))
-    if len(kept) < len(requests):
+    if len(kept) < len(requests) and process_state().is_main_process:
         print(f"[train] {len(requests) - len(kept)} of {len(requests)} Magpie requests were unfinished or empty "
               "and are skipped", file=sys.stderr)  # fmt: skip
     return kept

@@ -63,9 +63,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from proposers.draft_model import DraftVocabulary, save_draft_vocab
+from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
 from train.loop import FitConfig, fit
+from train.processes import process_state
 
 META_FILE = "distill.json"
 LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")  # decoder layer index in a state-dict key
@@ -103,15 +105,18 @@ def train(job: TrainJob) -> Path:
     sequences = job.sequences()
     training, heldout = split_heldout(sequences, job.data_config.heldout)
     rows = training_rows(training)
-    print(f"[train] draft_model: target layers {layers}, {int(rows['response_len'].sum())} training positions "
-          f"from {len(rows['input_ids'])} sequences, {len(heldout)} held out", file=sys.stderr)  # fmt: skip
+    if job.is_main_process:
+        print(f"[train] draft_model: target layers {layers}, {int(rows['response_len'].sum())} training positions "
+              f"from {len(rows['input_ids'])} sequences, {len(heldout)} held out", file=sys.stderr)  # fmt: skip
 
     token_counts = torch.bincount(
         torch.cat([torch.tensor(s.response) for s in training]), minlength=target.config.vocab_size
     )  # (vocab,)
     output = job.output_dir
     output.mkdir(parents=True, exist_ok=True)
-    save_draft_vocab(output, token_counts)
+    if job.is_main_process:
+        save_draft_vocab(output, token_counts)
+    process_state().wait_for_everyone()  # every process reads the ranking below
     ranked = int((token_counts > 0).sum())
     vocabularies = {
         size: DraftVocabulary.load(output, size)
@@ -133,11 +138,13 @@ def train(job: TrainJob) -> Path:
         }
         return distillation_loss(draft_logits, target_logits, cfg.loss), metrics
 
-    checkpoint = output / "checkpoint.pt"
+    checkpoint = output / "checkpoint"
     start = time.perf_counter()
     last = fit(draft, rows, loss_fn, cfg, checkpoint, _fingerprint(job, cfg, layers, rows), job.logger,
-               resume=job.resume)  # fmt: skip
+               job.resume, job.scale)  # fmt: skip
     seconds = time.perf_counter() - start
+    if not job.is_main_process:
+        return output
 
     metrics = {"heldout": evaluate(draft, heldout, cfg, vocabularies)}
     evaluation = job.eval_sequences()
@@ -173,7 +180,7 @@ def train(job: TrainJob) -> Path:
         },
     }
     (output / META_FILE).write_text(json.dumps(meta, indent=2))
-    checkpoint.unlink(missing_ok=True)
+    checkpoints.remove(checkpoint)
     return output
 
 

@@ -43,6 +43,7 @@ from tqdm import tqdm
 from decoders.layered import LayeredDecoder, run_layers
 from decoders.session import ModelSession
 from proposers.early_exit import ExitHead
+from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
 from train.loop import FitConfig, fit
@@ -94,8 +95,9 @@ def train(job: TrainJob) -> Path:
     heldout_examples = exit_examples(target, heldout, start_layer, keep_context=cfg.shallow_lora_layers > 0)
     evaluation = job.eval_sequences()
     eval_examples = exit_examples(target, evaluation, start_layer, keep_context=cfg.shallow_lora_layers > 0)
-    print(f"[train] early_exit layer {cfg.exit_layer}: {sum(len(e.final_hidden) for e in examples)} positions "
-          f"from {len(examples)} sequences, {len(heldout_examples)} held out", file=sys.stderr)  # fmt: skip
+    if job.is_main_process:
+        print(f"[train] early_exit layer {cfg.exit_layer}: {sum(len(e.final_hidden) for e in examples)} positions "
+              f"from {len(examples)} sequences, {len(heldout_examples)} held out", file=sys.stderr)  # fmt: skip
 
     head, peft_layers = build_exit(target, cfg)
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
@@ -117,7 +119,10 @@ def train(job: TrainJob) -> Path:
     output = job.output_dir / f"layer-{cfg.exit_layer}"
     rows = {"index": torch.arange(len(examples))}
     fingerprint = _fingerprint(job, cfg, len(examples))
-    last = fit(head, rows, loss_fn, cfg, output / "checkpoint.pt", fingerprint, job.logger, resume=job.resume)
+    checkpoint = output / "checkpoint"
+    last = fit(head, rows, loss_fn, cfg, checkpoint, fingerprint, job.logger, job.resume, job.scale)
+    if not job.is_main_process:
+        return output
 
     if peft_layers is not None:  # fold the shallow LoRA into the layer copies
         merged = peft_layers.merge_and_unload()
@@ -147,7 +152,7 @@ def train(job: TrainJob) -> Path:
         "training": {"config": asdict(cfg), "data": asdict(job.data_config), "sequences": len(examples)},
     }
     (output / "training.json").write_text(json.dumps(meta, indent=2))
-    (output / "checkpoint.pt").unlink(missing_ok=True)
+    checkpoints.remove(checkpoint)
     return output
 
 

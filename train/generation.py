@@ -8,6 +8,11 @@ finished batch to a folder (``part_<time>_<pid>.json`` with the token ids,
 written last, and ``part_<time>_<pid>.safetensors`` with the hidden states;
 names unique per writer, so several runs may share the folder); an
 interrupted run reloads the finished parts and generates only what is missing.
+
+In a multi-process run (``accelerate launch``, ``torchrun``) :func:`generate_all`
+splits the batches across the processes, each writing its own parts to the shared
+folder, and every process then reads all of them: the folder is the same cache a
+single-process run writes and reads, batch for batch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from decoders.sampling import SamplingConfig, processed_probs, sample
+from train.processes import process_state
 
 
 @dataclass(frozen=True)
@@ -98,14 +104,16 @@ def generate_batch(
             use_cache=True,
         )
         hidden = outputs.last_hidden_state[:, -1]  # (active, hidden)
-        logits = lm_head(hidden).float()  # (active, vocab)
+        # With model.device_map the head may sit on another device than the embeddings
+        # (``device``, where the batch lives); the moves cost nothing on a single device.
+        logits = lm_head(hidden).float().to(device)  # (active, vocab)
         if settings.sampling.greedy:
             next_tokens = logits.argmax(-1)  # (active,)
         else:
             next_tokens = sample(processed_probs(logits, settings.sampling), generator)  # (active,)
         tokens[rows, step] = next_tokens
         if settings.keep_hidden:
-            hiddens[rows, step] = hidden.to(torch.float16)
+            hiddens[rows, step] = hidden.to(device, torch.float16)
         lengths[rows.cpu()] += 1
         unfinished = ~torch.isin(next_tokens, eos)  # (active,)
         if not bool(unfinished.any()):
@@ -136,10 +144,19 @@ class GenerationStore:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.generations: dict[str, Generation] = {}
-        self.parts = 0
-        for index_file in sorted(directory.glob("part_*.json")):
-            self._load_part(index_file)
-            self.parts += 1
+        self._loaded: set[str] = set()
+        self.refresh()
+
+    @property
+    def parts(self) -> int:
+        return len(self._loaded)
+
+    def refresh(self) -> None:
+        """Read the parts that other writers (processes) added since the last look."""
+        for index_file in sorted(self.directory.glob("part_*.json")):
+            if index_file.name not in self._loaded:
+                self._load_part(index_file)
+                self._loaded.add(index_file.name)
 
     def _load_part(self, index_file: Path) -> None:
         items = json.loads(index_file.read_text())
@@ -166,9 +183,10 @@ class GenerationStore:
         if hidden:
             _atomic_write(stem.with_suffix(".safetensors"), lambda path: save_file(hidden, str(path)))
         items = [{"id": i, "prompt": g.prompt, "output": g.output} for i, g in zip(ids, generations)]
-        _atomic_write(stem.with_suffix(".json"), lambda path: path.write_text(json.dumps(items)))
+        index_file = stem.with_suffix(".json")
+        _atomic_write(index_file, lambda path: path.write_text(json.dumps(items)))
         self.generations.update(zip(ids, generations))
-        self.parts += 1
+        self._loaded.add(index_file.name)
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -187,21 +205,36 @@ def generate_all(
     desc: str,
 ) -> dict[str, Generation]:
     """Generations for every request: cached ones reused, the rest generated in
-    batches of similar prompt length (less padding) and stored as they finish."""
+    batches of similar prompt length (less padding) and stored as they finish.
+
+    Every process of a run calls this with the same requests; each generates its share
+    of the batches (the batches a single process would form, so outputs do not depend on
+    the number of processes) and returns all of them. Progress shows the main process's share."""
+    state = process_state()
+    if state.num_processes > 1:  # every process must see the same parts: none writes before all have looked
+        store.refresh()
+        state.wait_for_everyone()
     pending = [r for r in requests if store.get(r, settings.keep_hidden) is None]
-    pending.sort(key=lambda r: len(r.prompt))
-    batches = [pending[i : i + settings.batch_size] for i in range(0, len(pending), settings.batch_size)]
-    new_tokens, start = 0, time.perf_counter()
-    with tqdm(total=len(pending), desc=desc, unit="seq", disable=not pending) as progress:
-        for batch in batches:
-            # Seeded per part, so sampled stages reproduce however often they are resumed.
-            generator = torch.Generator(device=next(model.parameters()).device)
-            generator.manual_seed(settings.sampling.seed * 1_000_003 + store.parts)
-            generations = generate_batch(
-                model, [r.prompt for r in batch], settings, eos_token_ids, pad_token_id, generator
-            )
-            store.add([r.id for r in batch], generations)
-            new_tokens += sum(len(g.output) for g in generations)
-            progress.update(len(batch))
-            progress.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+    if pending:
+        pending.sort(key=lambda r: len(r.prompt))
+        batches = [pending[i : i + settings.batch_size] for i in range(0, len(pending), settings.batch_size)]
+        first_part = store.parts
+        with state.split_between_processes(list(enumerate(batches))) as mine:
+            mine_count = sum(len(batch) for _, batch in mine)
+            new_tokens, start = 0, time.perf_counter()
+            with tqdm(total=mine_count, desc=desc, unit="seq", disable=not state.is_main_process) as progress:
+                for index, batch in mine:
+                    # Seeded per part, so sampled stages reproduce however often they are resumed
+                    # and however many processes share the work.
+                    generator = torch.Generator(device=next(model.parameters()).device)
+                    generator.manual_seed(settings.sampling.seed * 1_000_003 + first_part + index)
+                    generations = generate_batch(
+                        model, [r.prompt for r in batch], settings, eos_token_ids, pad_token_id, generator
+                    )
+                    store.add([r.id for r in batch], generations)
+                    new_tokens += sum(len(g.output) for g in generations)
+                    progress.update(len(batch))
+                    progress.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+        state.wait_for_everyone()
+        store.refresh()
     return {r.id: store.get(r) for r in requests}  # type: ignore[misc]

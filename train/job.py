@@ -6,24 +6,33 @@ A drafter plugs in as a module listed in :data:`DRAFTERS` that defines
 ``Config`` dataclass for its ``drafter.*`` options; ``conf/drafter/<name>.yaml``
 holds its defaults. Everything else (self-distilled data, the training loop,
 W&B, checkpoints) is shared through the job.
+
+Under ``accelerate launch`` or ``torchrun`` every process runs the whole job: each
+loads the target on its own device, generates its share of the data, and trains on
+its share of every batch; only the main process logs, evaluates and writes the
+artifact (drafters end with ``if not job.is_main_process: return``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 
 from decoders.config import model_config, to_dataclass
-from decoders.models import load_model
+from decoders.models import ModelConfig, load_model
 from decoders.pipeline import Pipeline
 from train.data import DataConfig, Sequence, eval_sequences, self_distilled
-from train.loop import RunLogger
+from train.loop import RunLogger, ScaleConfig
+from train.processes import process_state
 
 #: drafter name -> module defining ``Config`` and ``train(job)``.
 DRAFTERS: dict[str, str] = {
@@ -80,17 +89,34 @@ class TrainJob:
         return bool(self.cfg.train.get("resume", True))
 
     @property
+    def scale(self) -> ScaleConfig:
+        """How the run executes: gradient accumulation and mixed precision (``train.*``)."""
+        return ScaleConfig(
+            accumulation_steps=int(self.cfg.train.get("accumulation_steps", 1)),
+            mixed_precision=str(self.cfg.train.get("mixed_precision", "auto")),
+        )
+
+    @property
+    def is_main_process(self) -> bool:
+        """The process that evaluates and writes the artifact (the only one in a plain run)."""
+        return process_state().is_main_process
+
+    @property
     def eval_only(self) -> bool:
         """Measure the existing artifact (``train.eval.only=true``) instead of training."""
         return bool((self.cfg.train.get("eval") or {}).get("only", False))
 
     def sequences(self) -> list[Sequence]:
-        """The self-distilled training data (generated on first use, then cached)."""
+        """The self-distilled training data (generated on first use, then cached). The
+        ``train.eval.path`` responses are generated here too, while every process can
+        take a share; the main process reads them from the cache after training."""
         start = time.perf_counter()
         sequences = self_distilled(self.pipeline, self.data_config, self.data_root)
+        self.eval_sequences()
         tokens = sum(len(s.response) for s in sequences)
-        print(f"[train] data: {len(sequences)} sequences, {tokens} response tokens "
-              f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)  # fmt: skip
+        if self.is_main_process:
+            print(f"[train] data: {len(sequences)} sequences, {tokens} response tokens "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)  # fmt: skip
         return sequences
 
     def eval_sequences(self) -> list[Sequence]:
@@ -106,14 +132,35 @@ class TrainJob:
 def run(cfg: DictConfig) -> Path:
     """Train ``cfg.drafter`` for ``cfg.model``; returns the artifact directory."""
     module = drafter_module(cfg.drafter.name)
-    model_cfg = model_config(cfg)
+    state = process_state()  # joins the process group under accelerate launch / torchrun
+    model_cfg = process_model_config(model_config(cfg), state)
     target, tokenizer = load_model(model_cfg)
     pipeline = Pipeline(target, tokenizer, model_config=model_cfg, artifacts_dir=cfg.artifacts_dir)
     name = f"train-{cfg.drafter.name}-{pipeline.context.target_key}"
-    logger = RunLogger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), name)  # type: ignore[arg-type]
+    config = OmegaConf.to_container(cfg, resolve=True)
+    logger = RunLogger(cfg.logger, config, name, active=state.is_main_process)  # type: ignore[arg-type]
     try:
         output = module.train(TrainJob(cfg, pipeline, logger))
     finally:
         logger.finish()
-    print(f"[train] {cfg.drafter.name} artifact written to {output}", file=sys.stderr)
+    if state.is_main_process:
+        print(f"[train] {cfg.drafter.name} artifact written to {output}", file=sys.stderr)
     return output
+
+
+def process_model_config(model_cfg: ModelConfig, state: PartialState) -> ModelConfig:
+    """This process's target placement: ``device: auto`` means the device accelerate gives
+    the process (its own GPU in a multi-GPU run, the CPU without CUDA or under ``--cpu``).
+    ``device_map`` spreads one copy of the target over every GPU the process sees, so it
+    takes one process per machine."""
+    if model_cfg.device_map:
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+            raise ValueError(
+                "model.device_map spreads the target over every GPU of a machine: launch one process per "
+                "machine (accelerate launch --num_processes <machines> --num_machines <machines>), or drop "
+                "model.device_map to give each process a GPU of its own"
+            )
+        return model_cfg
+    if model_cfg.device == "auto" and (state.num_processes > 1 or state.device.type == "cpu"):
+        return dataclasses.replace(model_cfg, device=str(state.device))
+    return model_cfg

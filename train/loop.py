@@ -1,29 +1,46 @@
-"""The training loop every drafter shares: batches, AdamW with warm-up and
-cosine decay, tqdm progress, W&B logging, checkpoints and resumption.
+"""The training loop every drafter shares, on Hugging Face ``accelerate``: AdamW with
+warm-up and cosine decay, gradient clipping and accumulation, mixed precision,
+tqdm progress and W&B logging (main process), checkpoints and resumption.
 
 A drafter supplies the module (only parameters with ``requires_grad`` are
 trained and checkpointed), the training rows as tensors with the same first
 dimension, and a loss function ``loss_fn(batch) -> (loss, metrics)``.
-A checkpoint is written every ``checkpoint_every`` steps, and on Ctrl-C, to
-``<artifact>/checkpoint.pt``; rerunning the same command continues from it if
-its fingerprint (the drafter and data settings) matches.
+
+The same code runs in one process or data-parallel in many (``accelerate launch``,
+``torchrun``, ``srun``): ``batch_size`` is the global batch of one optimizer step,
+which accelerate splits across processes and accumulation micro-steps, so a run's
+optimisation does not depend on how many processes it has (:mod:`train.batches`).
+A checkpoint is written every ``checkpoint_every`` steps to ``<artifact>/checkpoint``
+(:mod:`train.checkpoints`); rerunning the same command continues from it if its
+fingerprint (the drafter and data settings) matches. Ctrl-C or SIGTERM (SLURM
+preemption, ``torchrun`` stopping its workers) ends training after the current step,
+with a checkpoint, on every process at the same step; a second Ctrl-C stops at once,
+keeping the last checkpoint.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator, DataLoaderConfiguration
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from train import checkpoints
+from train.batches import Rows, StepBatches, whole_batch
+from train.processes import process_state
+
 LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+PRECISIONS = ("auto", "no", "bf16", "fp16")
 
 
 @dataclass
@@ -41,15 +58,41 @@ class FitConfig:
     seed: int = 0
 
 
+@dataclass
+class ScaleConfig:
+    """``train.*`` settings of how a run executes, not what it learns (not in the fingerprint)."""
+
+    accumulation_steps: int = 1  # micro-steps per optimizer step; the global batch stays batch_size
+    mixed_precision: str = "auto"  # auto = the launcher's --mixed_precision, else bf16 on CUDA that has it
+
+    def precision(self, accelerator_device: torch.device) -> str:
+        """The ``mixed_precision`` for accelerate. ``auto`` takes ``accelerate launch
+        --mixed_precision`` when it is not ``no`` (the launcher always sets one), else bf16
+        on CUDA devices that have it, and keeps CPUs in float32 (the drafters' recipes and
+        figures are float32 there; ``bf16`` opts in)."""
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(
+                f"train.mixed_precision={self.mixed_precision!r}: use one of {', '.join(PRECISIONS)}"
+            )
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if launcher != "no":
+            return launcher
+        cuda = accelerator_device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return "bf16" if cuda else "no"
+
+
 class RunLogger:
     """A W&B run for one training job (``logger.mode``: offline, online or disabled).
 
     W&B failures are reported once and then ignored: logging must never stop training.
+    Only the main process of a multi-process run logs (``active=False`` elsewhere).
     """
 
-    def __init__(self, logger_cfg: DictConfig, config: dict, name: str) -> None:
+    def __init__(self, logger_cfg: DictConfig, config: dict, name: str, active: bool = True) -> None:
         self.run: Any = None
-        if logger_cfg.mode == "disabled":
+        if logger_cfg.mode == "disabled" or not active:
             return
         try:
             import wandb
@@ -108,69 +151,169 @@ def fit(
     fingerprint: str,
     logger: RunLogger,
     resume: bool = True,
+    scale: ScaleConfig | None = None,
 ) -> dict[str, float]:
-    """Train ``module``'s trainable parameters on ``rows``; returns the last logged metrics."""
-    count = len(next(iter(rows.values())))
-    steps_per_epoch = max(math.ceil(count / cfg.batch_size), 1)
-    total_steps = max(math.ceil(cfg.epochs * steps_per_epoch), 1)
-    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    """Train ``module``'s trainable parameters on ``rows``; returns the last logged metrics
+    (averaged over processes). Every process of a run calls this with the same arguments;
+    on return the module holds the same trained weights in each."""
+    scale = scale or ScaleConfig()
+    if scale.accumulation_steps < 1:
+        raise ValueError(f"train.accumulation_steps={scale.accumulation_steps}: use 1 or more")
+    trainable = checkpoints.trainable_parameters(module)
     if not trainable:
         raise ValueError("the drafter has no trainable parameters")
+    accelerator = Accelerator(
+        gradient_accumulation_steps=scale.accumulation_steps,
+        mixed_precision=scale.precision(process_state().device),
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+    )
+    shards = accelerator.num_processes * scale.accumulation_steps
+    if cfg.batch_size % shards:
+        raise ValueError(
+            f"the batch size ({cfg.batch_size} rows per step) must split evenly over {accelerator.num_processes} "
+            f"processes x {scale.accumulation_steps} accumulation steps: set the drafter's batch size to a "
+            f"multiple of {shards} (e.g. {math.ceil(cfg.batch_size / shards) * shards})"
+        )
+    count = len(next(iter(rows.values())))
+    steps_per_epoch = math.ceil(count / cfg.batch_size)  # the last one runs into the next epoch's rows
+    total_steps = max(math.ceil(cfg.epochs * steps_per_epoch), 1)
     optimizer = torch.optim.AdamW(trainable.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup_steps = int(cfg.warmup * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: _lr_factor(step, warmup_steps, total_steps)
     )
-    step = _restore(checkpoint, fingerprint, trainable, optimizer, scheduler) if resume else 0
+    objective, optimizer, scheduler = accelerator.prepare(_Objective(module, loss_fn), optimizer, scheduler)
+    hooks = checkpoints.register_trainable_state(accelerator, module)
+    step = checkpoints.restore(accelerator, checkpoint, fingerprint) if resume else 0
+    saved_step = step
+    micro_batches = StepBatches(count, cfg.batch_size // scale.accumulation_steps, cfg.seed,
+                                step * scale.accumulation_steps, total_steps * scale.accumulation_steps)  # fmt: skip
+    loader = accelerator.prepare(
+        torch.utils.data.DataLoader(Rows(rows), batch_sampler=micro_batches, collate_fn=whole_batch)
+    )
 
     def save() -> None:
-        state = {
-            "fingerprint": fingerprint,
-            "step": step,
-            "trainable": {name: p.detach() for name, p in trainable.items()},
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-        }
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        tmp = checkpoint.with_name(checkpoint.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, checkpoint)
+        nonlocal saved_step
+        if saved_step != step:
+            checkpoints.save(accelerator, checkpoint, step, fingerprint)
+            saved_step = step
 
     module.train()
     window: dict[str, list[float]] = {}
     last: dict[str, float] = {}
-    progress = tqdm(total=total_steps, initial=step, desc="training", unit="step")
+    progress = tqdm(total=total_steps, initial=step, desc="training", unit="step",
+                    disable=not accelerator.is_main_process)  # fmt: skip
     try:
-        while step < total_steps:
-            batch_index = _batch_indices(count, cfg.batch_size, cfg.seed, step, steps_per_epoch)
-            loss, metrics = loss_fn({key: value[batch_index] for key, value in rows.items()})
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable.values(), cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            for key, value in {"loss": float(loss.detach()), **metrics}.items():
-                window.setdefault(key, []).append(value)
-            progress.update(1)
-            if step % cfg.log_every == 0 or step == total_steps:
-                last = {f"train/{key}": sum(v) / len(v) for key, v in window.items()}
-                last["train/lr"] = scheduler.get_last_lr()[0]
-                last["train/epoch"] = step / steps_per_epoch
-                logger.log(last, step)
-                progress.set_postfix(loss=f"{last['train/loss']:.3f}")
-                window = {}
-            if step % cfg.checkpoint_every == 0:
-                save()
+        with _StopRequests() as stop:
+            for batch in loader:
+                with accelerator.accumulate(objective):
+                    loss, metrics = objective(batch)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(trainable.values(), cfg.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                for key, value in {"loss": float(loss.detach()), **metrics}.items():
+                    window.setdefault(key, []).append(value)
+                if not accelerator.sync_gradients:
+                    continue
+                step += 1
+                progress.update(1)
+                if step % cfg.log_every == 0 or step == total_steps:
+                    last = _mean_over_processes(accelerator, window)
+                    last["train/lr"] = scheduler.get_last_lr()[0]
+                    last["train/epoch"] = step / steps_per_epoch
+                    logger.log(last, step)
+                    progress.set_postfix(loss=f"{last['train/loss']:.3f}")
+                    window = {}
+                if step % cfg.checkpoint_every == 0:
+                    save()
+                if _any_process(accelerator, stop.signal is not None):
+                    save()
+                    if accelerator.is_main_process:
+                        print(f"\n[train] stopped at step {step}/{total_steps}; checkpoint saved to {checkpoint}. "
+                              "Run the same command again to continue.", file=sys.stderr)  # fmt: skip
+                    stop.reraise()
     except KeyboardInterrupt:
-        save()
-        print(f"\n[train] interrupted at step {step}/{total_steps}; checkpoint saved to {checkpoint}. "
-              "Run the same command again to continue.", file=sys.stderr)  # fmt: skip
+        if saved_step != step and accelerator.is_main_process:
+            print(f"\n[train] stopped at once at step {step}/{total_steps}; the last checkpoint (step {saved_step}) "
+                  f"in {checkpoint} is kept. Run the same command again to continue from it.", file=sys.stderr)  # fmt: skip
         raise
     finally:
         progress.close()
         module.eval()
+        for hook in hooks:
+            hook.remove()
+    accelerator.wait_for_everyone()
     return last
+
+
+class _Objective(torch.nn.Module):
+    """The drafter and its loss as one module whose forward is the loss.
+
+    accelerate's wrappers act on a model's forward (DDP's gradient sync, autocast), and
+    drafters' losses call whichever of their submodules they need (a PEFT wrapper, the
+    decoder alone); wrapping the loss makes all of that the forward."""
+
+    def __init__(self, drafter: torch.nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.loss_fn(batch)
+
+
+class _StopRequests:
+    """SIGINT / SIGTERM during training ask to stop after the current step (every process
+    stops at the same one, with a checkpoint); a second SIGINT stops at once.
+
+    By hand because a signal arrives at each process at its own moment: turning it into a
+    flag that the processes agree on at a step boundary is what makes the checkpoint
+    consistent. ``torchrun`` answers Ctrl-C by sending its workers SIGTERM, so a SIGTERM
+    after a SIGINT is the same request, not a second one."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = self.signal or signum
+
+    def reraise(self) -> None:
+        """After the checkpoint: end the run as the signal would have."""
+        if self.signal == signal.SIGTERM:
+            raise SystemExit(128 + signal.SIGTERM)
+        raise KeyboardInterrupt
+
+
+def _any_process(accelerator: Accelerator, flag: bool) -> bool:
+    """Whether ``flag`` is set on any process (one tiny gather a step when there are several)."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.gather(torch.tensor([flag], device=accelerator.device)).any())
+
+
+def _mean_over_processes(accelerator: Accelerator, window: dict[str, list[float]]) -> dict[str, float]:
+    """``train/<key>``: each metric's mean over the window, averaged over the processes."""
+    keys = sorted(window)
+    means = torch.tensor([sum(window[k]) / len(window[k]) for k in keys], dtype=torch.float64)
+    if accelerator.num_processes > 1:
+        means = accelerator.reduce(means.to(accelerator.device), "mean").cpu()
+    return {f"train/{key}": float(value) for key, value in zip(keys, means)}
 
 
 def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -179,31 +322,3 @@ def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
         return (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def _batch_indices(count: int, batch_size: int, seed: int, step: int, steps_per_epoch: int) -> torch.Tensor:
-    """Rows of global step ``step``: epoch e is a permutation seeded by (seed, e), so a
-    resumed run continues with exactly the batches it would have seen."""
-    epoch, offset = divmod(step, steps_per_epoch)
-    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    order = torch.randperm(count, generator=generator)
-    return order[offset * batch_size : (offset + 1) * batch_size]
-
-
-def _restore(checkpoint: Path, fingerprint: str, trainable: dict, optimizer, scheduler) -> int:
-    """Load a matching checkpoint; returns the step to continue from (0 = fresh start)."""
-    if not checkpoint.exists():
-        return 0
-    state = torch.load(checkpoint, weights_only=True)
-    if state.get("fingerprint") != fingerprint:
-        print(
-            f"[train] ignoring {checkpoint}: it belongs to other settings; starting afresh", file=sys.stderr
-        )
-        return 0
-    with torch.no_grad():
-        for name, value in state["trainable"].items():
-            trainable[name].copy_(value)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    print(f"[train] resuming from {checkpoint} at step {state['step']}", file=sys.stderr)
-    return int(state["step"])

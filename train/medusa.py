@@ -39,6 +39,7 @@ from tqdm import tqdm
 from decoders.session import ModelSession
 from proposers.copy_attention import mixture
 from proposers.medusa import CONFIG_FILE, LORA_TARGETS, MedusaHeads, best_tree, load_artifact, save_artifact
+from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
 from train.loop import FitConfig, fit
@@ -70,6 +71,8 @@ def train(job: TrainJob) -> Path:
     lm_head = job.pipeline.model.get_output_embeddings()
     embeddings = job.pipeline.model.get_input_embeddings()
     if job.eval_only:  # measure the existing artifact again (e.g. on new eval prompts)
+        if not job.is_main_process:
+            return job.output_dir
         if not (job.output_dir / CONFIG_FILE).exists():
             raise FileNotFoundError(
                 f"train.eval.only=true, but there is no Medusa artifact at {job.output_dir}"
@@ -94,14 +97,17 @@ def train(job: TrainJob) -> Path:
         positions = len(rows["hidden"])
         loss_fn = head_loss(heads, peft_heads, weights, cfg.num_heads)
         fit_cfg = cfg
-    print(f"[train] medusa: {positions} training positions from {len(training)} sequences "
-          f"({len(heldout)} held out); draft vocabulary {len(draft_vocab) if draft_vocab is not None else 'all'} "
-          f"tokens, covering {coverage(draft_vocab, heldout):.1%} of held-out response tokens",
-          file=sys.stderr)  # fmt: skip
+    if job.is_main_process:
+        print(f"[train] medusa: {positions} training positions from {len(training)} sequences "
+              f"({len(heldout)} held out); draft vocabulary {len(draft_vocab) if draft_vocab is not None else 'all'} "
+              f"tokens, covering {coverage(draft_vocab, heldout):.1%} of held-out response tokens",
+              file=sys.stderr)  # fmt: skip
 
     fingerprint = _fingerprint(job, cfg, positions)
-    checkpoint = job.output_dir / "checkpoint.pt"
-    last = fit(heads, rows, loss_fn, fit_cfg, checkpoint, fingerprint, job.logger, resume=job.resume)
+    checkpoint = job.output_dir / "checkpoint"
+    last = fit(heads, rows, loss_fn, fit_cfg, checkpoint, fingerprint, job.logger, job.resume, job.scale)
+    if not job.is_main_process:
+        return job.output_dir
 
     metrics = measure(job, heads, heldout, cfg)
     heldout_metrics = metrics.pop("heldout")
@@ -127,7 +133,7 @@ def train(job: TrainJob) -> Path:
         },
     }
     save_artifact(peft_heads, job.output_dir, meta)
-    checkpoint.unlink(missing_ok=True)
+    checkpoints.remove(checkpoint)
     return job.output_dir
 
 

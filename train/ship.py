@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from decoders.context import SHIPPED_ARTIFACTS
 
-LEFT_OUT = {"checkpoint.pt", "README.md"}  # resumption state; PEFT's generated model card
+LEFT_OUT = {"checkpoint", "README.md"}  # resumption state (a folder); PEFT's generated model card
 
 
 def ship(artifact: Path, destination: Path) -> int:
@@ -31,7 +31,10 @@ def ship(artifact: Path, destination: Path) -> int:
     if destination.exists():
         shutil.rmtree(destination)
     written = 0
-    for source in sorted(p for p in artifact.rglob("*") if p.is_file() and p.name not in LEFT_OUT):
+    kept = (
+        p for p in artifact.rglob("*") if p.is_file() and not LEFT_OUT & set(p.relative_to(artifact).parts)
+    )
+    for source in sorted(kept):
         target = destination / source.relative_to(artifact)
         target.parent.mkdir(parents=True, exist_ok=True)
         if source.suffix == ".safetensors":

@@ -1,0 +1,27 @@
+"""``python -m tests.late_rank <train overrides>``: ``python -m train``, except that the
+process of rank 1 reaches the data cache 4 s after the others, as after a slow start-up:
+the others must not write parts before every process has looked at the cache. For
+tests/test_scale.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import train.job
+
+_self_distilled = train.job.self_distilled
+
+
+def _late(*args, **kwargs):
+    if os.environ.get("RANK") == "1":
+        time.sleep(4)
+    return _self_distilled(*args, **kwargs)
+
+
+train.job.self_distilled = _late
+
+if __name__ == "__main__":
+    from train.__main__ import main
+
+    main()
