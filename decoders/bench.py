@@ -50,6 +50,7 @@ from decoders.config import (  # noqa: E402
     workload_config,
 )
 from decoders.cost import CostCurve, cached_cost_curve  # noqa: E402
+from decoders.kernels import configure_passes, exact_passes, routes_narrow_linears  # noqa: E402
 from decoders.metrics import Record, first_divergence, physical_limit, pipeline_entry  # noqa: E402
 from decoders.models import load_model, resolve_device  # noqa: E402
 from decoders.peers import make_peers  # noqa: E402
@@ -57,6 +58,8 @@ from decoders.plots import bench_plots  # noqa: E402
 from decoders.registry import proposer_registry  # noqa: E402
 from decoders.tracking import log_benchmark  # noqa: E402
 from decoders.workloads import Prompt, load_workload  # noqa: E402
+
+EXACT_OFF = " (exact off)"
 
 
 @dataclass
@@ -72,6 +75,23 @@ class Contender:
     # what the pipeline reports about itself, asked when results are written (after the
     # prompts run), so it holds what the proposer measured: acceptance profiles, budgets
     describe: Callable[[], dict] | None = None
+    baseline: str = "standard"  # the contender its speedup and identical_outputs are measured against
+
+
+def exact_off_twin(contender: Contender, target) -> Contender:
+    """``contender`` (built for this: its proposer's state is its own) run with exact
+    mode switched off for its calls (``bench.exact_off``), measured against standard
+    decoding with exact mode off."""
+    narrow = routes_narrow_linears(target)
+
+    def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
+        configure_passes(target, narrow, exact=False)
+        try:
+            return contender.run(prompt_ids, max_new_tokens)
+        finally:
+            configure_passes(target, narrow, exact=True)
+
+    return replace(contender, name=f"{contender.name}{EXACT_OFF}", run=run, baseline=f"standard{EXACT_OFF}")
 
 
 def pipeline_contender(pipeline: Pipeline) -> Contender:
@@ -168,6 +188,16 @@ def target_cost_curve(cfg: DictConfig, base: Pipeline, output: Path) -> CostCurv
     return cached_cost_curve(base.model, base.context.target_key, cache)
 
 
+def exact_off_cost_curve(cfg: DictConfig, base: Pipeline, output: Path) -> CostCurve:
+    """T(n) of the target with exact mode switched off (``bench.exact_off``)."""
+    narrow = routes_narrow_linears(base.model)
+    configure_passes(base.model, narrow, exact=False)
+    try:
+        return target_cost_curve(cfg, base, output)
+    finally:
+        configure_passes(base.model, narrow, exact=True)
+
+
 def write_json(path: Path, payload: dict) -> None:
     """Atomic write: an interrupted run never leaves a truncated results file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,13 +213,16 @@ def results_payload(
     contenders: list[Contender],
     records: dict[str, list[Record]],
     prompts_done: int,
-    cost_curve: CostCurve,
+    cost_curves: dict[str, CostCurve],
 ) -> dict:
+    """results.json; ``cost_curves`` holds T(n) per baseline name (``standard``, and
+    ``standard (exact off)`` with ``bench.exact_off``)."""
     sampling = base.sampling
-    baseline = records["standard"]
-    reference = {(r.prompt_id, r.turn, r.repeat): r.tokens for r in baseline}
     pipelines = []
     for contender in contenders:
+        baseline = records[contender.baseline]
+        reference = {(r.prompt_id, r.turn, r.repeat): r.tokens for r in baseline}
+        cost_curve = cost_curves.get(contender.baseline, cost_curves["standard"])
         entry = pipeline_entry(
             contender.name,
             contender.kind,
@@ -206,6 +239,7 @@ def results_payload(
             entry.update(limit)  # ideal_speedup, mean_draft_size, draft_seconds_per_round
             entry["efficiency"] = entry["speedup"] / limit["ideal_speedup"]
         entry["lossless"] = contender.lossless
+        entry["baseline"] = contender.baseline
         if contender.describe is not None:
             entry["info"] = contender.describe()
         entry["records"] = []
@@ -217,10 +251,15 @@ def results_payload(
                 )
             entry["records"].append(row)
         pipelines.append(entry)
+    curves = {
+        name: {"sizes": sorted(curve.seconds), "seconds": [curve.seconds[n] for n in sorted(curve.seconds)]}
+        for name, curve in cost_curves.items()
+    }
     return {
         "model": base.context.target_key,
         "dtype": str(base.session.dtype).removeprefix("torch."),
         "device": str(base.session.device),
+        "exact": exact_passes(base.model),
         "temperature": sampling.temperature,
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
@@ -230,10 +269,8 @@ def results_payload(
         "workload_path": cfg.workload.path,
         "repeats": cfg.bench.repeats,
         "turns": cfg.workload.turns,
-        "cost_curve": {
-            "sizes": sorted(cost_curve.seconds),
-            "seconds": [cost_curve.seconds[n] for n in sorted(cost_curve.seconds)],
-        },
+        "cost_curve": curves["standard"],
+        "cost_curve_exact_off": curves.get(f"standard{EXACT_OFF}"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "pipelines": pipelines,
     }
@@ -258,6 +295,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
         proposers = {p.proposer.name: p.proposer for p in pipelines if p.proposer is not None}
         peers = make_peers(target, sorted(base.eos_token_ids()), sampling, proposers)
         contenders += [peer_contender(peer) for peer in peers]
+    if cfg.bench.exact_off and exact_passes(target):
+        twins = [base.with_components(None, None)] + build_pipelines(cfg, base)
+        contenders += [exact_off_twin(pipeline_contender(p), target) for p in twins]
     prompts = load_workload(workload_config(cfg))
     output = Path(cfg.bench.output)
     max_new = cfg.bench.max_new_tokens
@@ -267,7 +307,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
         f"dtype {base.session.dtype}",
         file=sys.stderr,
     )
-    cost_curve = target_cost_curve(cfg, base, output)
+    cost_curves = {"standard": target_cost_curve(cfg, base, output)}
+    if any(c.baseline != "standard" for c in contenders):
+        cost_curves[f"standard{EXACT_OFF}"] = exact_off_cost_curve(cfg, base, output)
 
     warm_ids = base.encode(prompts[0].turns[0])
     for contender in tqdm(contenders, desc="warm-up", leave=False):
@@ -298,9 +340,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
                             text=text,
                         )
                         records[contender.name].append(record)
-                        if contender.kind == "standard" and turn == 0 and repeat == 0 and text is not None:
+                        if contender.name == "standard" and turn == 0 and repeat == 0 and text is not None:
                             first_answers[prompt.id] = text
-            payload = results_payload(cfg, base, contenders, records, number + 1, cost_curve)
+            payload = results_payload(cfg, base, contenders, records, number + 1, cost_curves)
             write_json(output, payload)
             progress.set_postfix(
                 {

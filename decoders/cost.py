@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from decoders.kernels import exact_passes
 from decoders.session import ModelSession
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)  # 9 and 17 catch the steps of padded_rows
@@ -80,11 +81,13 @@ def measure_cost_curve(
 
 
 def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> CostCurve:
-    """The cost curve of ``model`` (named ``key``), measured on first use."""
+    """The cost curve of ``model`` (named ``key``), measured on first use; exact
+    mode (``model.exact``) has its own."""
     parameter = next(model.parameters())
     device = parameter.device.type
     dtype = str(parameter.dtype).removeprefix("torch.")
-    path = cache_dir / f"{key}-{device}-{dtype}.json"
+    mode = "-exact" if exact_passes(model) else ""
+    path = cache_dir / f"{key}-{device}-{dtype}{mode}.json"
     if path.exists():
         data = json.loads(path.read_text())
         return CostCurve({int(n): s for n, s in data["seconds"].items()})
