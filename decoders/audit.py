@@ -66,6 +66,7 @@ from decoders.config import (  # noqa: E402
     to_dataclass,
     workload_config,
 )
+from decoders.errors import cli_errors  # noqa: E402
 from decoders.kernels import exact_passes  # noqa: E402
 from decoders.metrics import first_divergence  # noqa: E402
 from decoders.models import load_model  # noqa: E402
@@ -716,9 +717,21 @@ def log_audit(cfg: DictConfig, payload: dict) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="audit", version_base="1.3")
+@cli_errors
 def main(cfg: DictConfig) -> None:
     output = Path(cfg.audit.output)
-    payload = run_audit(cfg, checkpoint=lambda partial: write_json(output, partial))
+    written: list[dict] = []
+
+    def keep(partial: dict) -> None:
+        write_json(output, partial)
+        written[:] = [partial]
+
+    try:
+        payload = run_audit(cfg, checkpoint=keep)
+    except KeyboardInterrupt:
+        kept = f"the partial record (complete: false) is in {output}" if written else "nothing had finished"
+        print(f"\n[audit] interrupted: {kept}", file=sys.stderr)
+        raise
     write_json(output, payload)
     for d in payload["divergences"]:
         print(

@@ -50,12 +50,13 @@ from decoders.config import (  # noqa: E402
     workload_config,
 )
 from decoders.cost import CostCurve, cached_cost_curve  # noqa: E402
+from decoders.errors import cli_errors  # noqa: E402
 from decoders.kernels import configure_passes, exact_passes, routes_narrow_linears  # noqa: E402
+from decoders.machine import machine_info, machine_line  # noqa: E402
 from decoders.metrics import Record, first_divergence, physical_limit, pipeline_entry  # noqa: E402
 from decoders.models import load_model, resolve_device  # noqa: E402
 from decoders.peers import make_peers  # noqa: E402
 from decoders.plots import bench_plots  # noqa: E402
-from decoders.registry import proposer_registry  # noqa: E402
 from decoders.tracking import log_benchmark  # noqa: E402
 from decoders.workloads import Prompt, load_workload  # noqa: E402
 
@@ -126,7 +127,9 @@ def peer_contender(peer) -> Contender:
 
 def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
     """The speculative pipelines this run measures: ``bench.pipelines`` if given,
-    else ``proposer=``/``verifier=``, else every registered proposer."""
+    else ``proposer=``/``verifier=``, else ``bench.default_pipelines`` (the best
+    pipeline of each proposer family; those whose trained artifact is missing are
+    skipped with the command that trains it)."""
     proposer_cfg = component(cfg, "proposer")
     verifier_cfg = component(cfg, "verifier")
     node = cfg.bench.get("pipelines")
@@ -137,13 +140,22 @@ def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
         return [listed_pipeline(base, entry, verifier_cfg) for entry in listed]  # type: ignore[union-attr]
     if proposer_cfg is not None:
         return [base.with_components(proposer_cfg, verifier_cfg)]
+    defaults = OmegaConf.to_container(cfg.bench.default_pipelines, resolve=True) or []
     pipelines = []
-    for name in proposer_registry.names():
+    for entry in defaults:  # type: ignore[union-attr]
         try:
-            pipelines.append(base.with_components(name, verifier_cfg))
+            pipelines.append(listed_pipeline(base, entry, verifier_cfg))
         except FileNotFoundError as missing:  # a trained artifact is missing: say how to make it
-            print(f"[bench] skipping {name}: {missing}", file=sys.stderr)
+            print(f"[bench] skipping {entry_label(entry)}: {missing}", file=sys.stderr)
     return pipelines
+
+
+def entry_label(entry: Any) -> str:
+    """A ``bench.pipelines`` entry's name for messages: its label, else its proposer."""
+    if isinstance(entry, dict):
+        proposer = entry.get("proposer")
+        return entry.get("label") or (proposer.get("name") if isinstance(proposer, dict) else str(proposer))
+    return str(entry)
 
 
 def listed_pipeline(base: Pipeline, entry: Any, verifier_cfg: dict | None) -> Pipeline:
@@ -260,6 +272,7 @@ def results_payload(
         "dtype": str(base.session.dtype).removeprefix("torch."),
         "device": str(base.session.device),
         "exact": exact_passes(base.model),
+        "machine": machine_info(base.session.device),
         "temperature": sampling.temperature,
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
@@ -304,7 +317,7 @@ def run_benchmark(cfg: DictConfig) -> dict:
     print(
         f"[bench] {len(prompts)} prompts x {cfg.bench.repeats} repeat(s), max_new_tokens={max_new}, "
         f"contenders: {', '.join(c.name for c in contenders)}; device {base.session.device}, "
-        f"dtype {base.session.dtype}",
+        f"dtype {base.session.dtype}\n[bench] machine: {machine_line(machine_info(base.session.device))}",
         file=sys.stderr,
     )
     cost_curves = {"standard": target_cost_curve(cfg, base, output)}
@@ -352,7 +365,11 @@ def run_benchmark(cfg: DictConfig) -> dict:
                 }
             )
     except KeyboardInterrupt:
-        print(f"\n[bench] interrupted: results of the finished prompts are in {output}", file=sys.stderr)
+        done = payload.get("prompts", 0)
+        kept = (
+            f"results of the {done} finished prompt(s) are in {output}" if done else "no prompt had finished"
+        )
+        print(f"\n[bench] interrupted: {kept}", file=sys.stderr)
         raise
     return payload
 
@@ -369,7 +386,10 @@ def format_table(payload: dict) -> str:
         f"{payload['prompts']} prompts x {payload['turns']} turn(s) x {payload['repeats']} repeat(s), "
         f"temperature {payload['temperature']}, max_new_tokens {payload['max_new_tokens']}"
     )
-    lines = [title, header, "-" * len(header)]
+    lines = [title]
+    if "machine" in payload:
+        lines.append(machine_line(payload["machine"]))
+    lines += [header, "-" * len(header)]
 
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-"
@@ -398,6 +418,7 @@ def publish(cfg: DictConfig, payload: dict) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="bench", version_base="1.3")
+@cli_errors
 def main(cfg: DictConfig) -> None:
     resolve_device(cfg.model.device)  # fail early on a bad device name
     payload = run_benchmark(cfg)

@@ -3,13 +3,17 @@
 Speculative decoding trades sequential passes for wider ones, so T(n)/T(1)
 decides what a draft of n tokens may cost. The curve is measured once per
 (model, device, dtype) on a fixed context and cached as JSON under
-``~/.cache/specdec/costs``. With tau and the draft cost D per round it gives a
+``~/.cache/specdec/costs``. ``SPECDEC_COST_CURVE=FILE`` (a JSON file in the
+cache's format, ``{"seconds": {"1": ..., "2": ...}}``) replaces the measurement
+everywhere: tests use it so that no decision depends on the machine running
+them, and a user can replay another machine's curve. With tau and the draft cost D per round it gives a
 pipeline's physical limit: ideal speedup = tau * T(1) / (T(n) + D).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +23,23 @@ import torch
 from decoders.kernels import exact_passes
 from decoders.session import ModelSession
 
-DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)  # 9 and 17 catch the steps of padded_rows
+DEFAULT_SIZES = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    9,
+    12,
+    16,
+    17,
+    24,
+    32,
+    48,
+    64,
+)  # 9 and 17 catch the steps of padded_rows
 
 
 @dataclass
@@ -80,18 +100,37 @@ def measure_cost_curve(
     return CostCurve(seconds)
 
 
+COST_CURVE_ENV = "SPECDEC_COST_CURVE"
+
+
+def read_cost_curve(path: str | Path) -> CostCurve:
+    """A curve saved in the cache's format (``{"seconds": {"n": seconds}}``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return CostCurve({int(n): float(s) for n, s in data["seconds"].items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"cannot read a cost curve from {path} ({error}); it must be JSON like "
+            '{"seconds": {"1": 0.040, "8": 0.043}}, e.g. a file from ~/.cache/specdec/costs'
+        ) from error
+
+
 def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> CostCurve:
-    """The cost curve of ``model`` (named ``key``), measured on first use; exact
-    mode (``model.exact``) has its own."""
+    """The cost curve of ``model`` (named ``key``): ``SPECDEC_COST_CURVE``'s file if
+    set, else the cached measurement, measured on first use (exact mode,
+    ``model.exact``, has its own)."""
+    if os.environ.get(COST_CURVE_ENV):
+        return read_cost_curve(os.environ[COST_CURVE_ENV])
     parameter = next(model.parameters())
     device = parameter.device.type
     dtype = str(parameter.dtype).removeprefix("torch.")
     mode = "-exact" if exact_passes(model) else ""
     path = cache_dir / f"{key}-{device}-{dtype}{mode}.json"
     if path.exists():
-        data = json.loads(path.read_text())
-        return CostCurve({int(n): s for n, s in data["seconds"].items()})
+        return read_cost_curve(path)
     curve = measure_cost_curve(model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "device": device, "dtype": dtype, "seconds": curve.seconds}, indent=1))
+    path.write_text(
+        json.dumps({"key": key, "device": device, "dtype": dtype, "seconds": curve.seconds}, indent=1)
+    )
     return curve

@@ -43,14 +43,10 @@ class Draft:
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
-            raise ValueError(
-                f"draft has {len(self.tokens)} tokens but {len(self.parents)} parents"
-            )
+            raise ValueError(f"draft has {len(self.tokens)} tokens but {len(self.parents)} parents")
         for i, parent in enumerate(self.parents):
             if not -1 <= parent < i:
-                raise ValueError(
-                    f"draft node {i} has parent {parent}; parents must come before children"
-                )
+                raise ValueError(f"draft node {i} has parent {parent}; parents must come before children")
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
             raise ValueError("draft_probs must have one row per draft node")
 

@@ -1,6 +1,6 @@
 """Command line: generate one answer, streamed, then print the run's stats.
 
-    python -m decoders.generate prompt="What is speculative decoding?" proposer=ngram verifier=greedy
+python -m decoders.generate prompt="What is speculative decoding?" proposer=ngram verifier=greedy
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import_plugins_from_argv()  # before Hydra composes, so plugin proposers are val
 
 from decoders import Pipeline  # noqa: E402
 from decoders.config import CONF_DIR, component, load_plugins, model_config, sampling_config  # noqa: E402
+from decoders.errors import cli_errors  # noqa: E402
 
 
 def format_stats(stats) -> str:
@@ -35,6 +36,7 @@ def format_stats(stats) -> str:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="generate", version_base="1.3")
+@cli_errors
 def main(cfg: DictConfig) -> None:
     load_plugins(cfg)
     pipeline = Pipeline.load(

@@ -66,7 +66,9 @@ class LayeredDecoder:
         self.decoder = decoder
         self.layers = list(modules) if modules is not None else list(decoder.layers)
         if len(self.layers) != len(decoder.layers):
-            raise ValueError(f"got {len(self.layers)} layer modules for a {len(decoder.layers)}-layer decoder")
+            raise ValueError(
+                f"got {len(self.layers)} layer modules for a {len(decoder.layers)}-layer decoder"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -90,9 +92,16 @@ class LayeredDecoder:
         layers and returns the (q, hidden) residual stream leaving layer ``last - 1``.
         """
         start = self.cached_length(first)
-        position_ids = torch.arange(start, start + hidden.shape[0], device=hidden.device).unsqueeze(0)  # (1, q)
+        position_ids = torch.arange(start, start + hidden.shape[0], device=hidden.device).unsqueeze(
+            0
+        )  # (1, q)
         states = run_layers(
-            self.decoder, self.layers[first:last], hidden.unsqueeze(0), position_ids, self.session.cache, first
+            self.decoder,
+            self.layers[first:last],
+            hidden.unsqueeze(0),
+            position_ids,
+            self.session.cache,
+            first,
         )
         return states[0]
 

@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decoders.context import PipelineContext
+from decoders.cost import CostCurve
 from decoders.decoding import GenerationStats, StopConditions, decode
 from decoders.models import ModelConfig, load_model
 from decoders.registry import build, proposer_registry, verifier_registry
@@ -52,11 +53,14 @@ class Pipeline:
         max_new_tokens: int = 128,
         stop_strings: Sequence[str] = (),
         chat_template: bool = True,
+        cost_curve: CostCurve | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingConfig()
-        self.context = PipelineContext(model, tokenizer, model_config or ModelConfig(name="hf"), Path(artifacts_dir))
+        self.context = PipelineContext(
+            model, tokenizer, model_config or ModelConfig(name="hf"), Path(artifacts_dir), cost_curve
+        )
         self.proposer: Proposer | None = self._component(proposer, proposer_registry, Proposer)
         if verifier is None and self.proposer is not None:
             verifier = "greedy" if self.sampling.greedy else "rejection"
@@ -86,7 +90,10 @@ class Pipeline:
         return cls(target, tokenizer, proposer, verifier, sampling, model_config=model_config, **kwargs)
 
     def with_components(
-        self, proposer: ComponentSpec | None, verifier: ComponentSpec | None, sampling: SamplingConfig | None = None
+        self,
+        proposer: ComponentSpec | None,
+        verifier: ComponentSpec | None,
+        sampling: SamplingConfig | None = None,
     ) -> Pipeline:
         """Another pipeline over the same loaded target (no reload)."""
         return Pipeline(
@@ -100,6 +107,7 @@ class Pipeline:
             max_new_tokens=self.max_new_tokens,
             stop_strings=self.stop_strings,
             chat_template=self.chat_template,
+            cost_curve=self.context.fixed_cost_curve,
         )
 
     def _component(self, spec: ComponentSpec | None, registry, base: type) -> Any:
@@ -125,7 +133,9 @@ class Pipeline:
                 raise ValueError("this model has no tokenizer; pass token ids instead of text")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             if self.chat_template and self.tokenizer.chat_template:
-                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                encoded = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True
+                )
                 ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
                 return list(ids)
             return self.tokenizer.encode(messages[-1]["content"])

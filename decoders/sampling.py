@@ -28,13 +28,9 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(
-                f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}"
-            )
+            raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(
-                f"sampling.top_p must be in (0, 1] (1.0 disables it), got {self.top_p}"
-            )
+            raise ValueError(f"sampling.top_p must be in (0, 1] (1.0 disables it), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
 

@@ -56,7 +56,9 @@ class Proposer:
     def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
         """Called after each round with what the verifier decided."""
 
-    def verify_forward(self, target: ModelSession, tokens: list[int], parents: list[int] | None) -> torch.Tensor:
+    def verify_forward(
+        self, target: ModelSession, tokens: list[int], parents: list[int] | None
+    ) -> torch.Tensor:
         """The target's verification pass over ``tokens`` = [pending] + draft tokens,
         (len(tokens), vocab) logits; ``parents`` as in :meth:`ModelSession.forward`.
 
@@ -73,7 +75,9 @@ class Proposer:
         return {}
 
 
-def draft_token(logits: torch.Tensor, state: DecodeState, with_confidence: bool) -> tuple[int, torch.Tensor | None, float]:
+def draft_token(
+    logits: torch.Tensor, state: DecodeState, with_confidence: bool
+) -> tuple[int, torch.Tensor | None, float]:
     """One autoregressive draft step from the drafter's ``logits`` (vocab,):
     (token index, its processed distribution q when sampling else None, confidence).
 

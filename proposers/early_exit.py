@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from decoders.context import artifact_source
 from decoders.draft import Draft
 from decoders.layered import LayeredDecoder, check_layered_equivalence
 from decoders.registry import register_proposer
@@ -81,13 +82,21 @@ class ExitHead(torch.nn.Module):
         self.frozen = {"norm": decoder.norm, "lm_head": target.get_output_embeddings()}
         parameter = next(target.parameters())
         factory = {"dtype": parameter.dtype, "device": parameter.device}
-        self.adapter_down = torch.nn.Linear(hidden_size, adapter_rank, bias=False, **factory) if adapter_rank else None
-        self.adapter_up = torch.nn.Linear(adapter_rank, hidden_size, bias=False, **factory) if adapter_rank else None
+        self.adapter_down = (
+            torch.nn.Linear(hidden_size, adapter_rank, bias=False, **factory) if adapter_rank else None
+        )
+        self.adapter_up = (
+            torch.nn.Linear(adapter_rank, hidden_size, bias=False, **factory) if adapter_rank else None
+        )
         if self.adapter_up is not None:
             torch.nn.init.zeros_(self.adapter_up.weight)
         vocab = target.config.vocab_size
-        self.head_lora_a = torch.nn.Linear(hidden_size, head_lora_rank, bias=False, **factory) if head_lora_rank else None
-        self.head_lora_b = torch.nn.Linear(head_lora_rank, vocab, bias=False, **factory) if head_lora_rank else None
+        self.head_lora_a = (
+            torch.nn.Linear(hidden_size, head_lora_rank, bias=False, **factory) if head_lora_rank else None
+        )
+        self.head_lora_b = (
+            torch.nn.Linear(head_lora_rank, vocab, bias=False, **factory) if head_lora_rank else None
+        )
         if self.head_lora_b is not None:
             torch.nn.init.zeros_(self.head_lora_b.weight)
         self.shallow_layers = torch.nn.ModuleDict()
@@ -105,7 +114,9 @@ class ExitHead(torch.nn.Module):
         hidden = self.frozen["norm"](hidden)
         logits = self.frozen["lm_head"](hidden)
         if self.head_lora_a is not None:
-            logits = logits + self.head_lora_b(self.head_lora_a(hidden)) * (self.head_lora_alpha / self.head_lora_rank)
+            logits = logits + self.head_lora_b(self.head_lora_a(hidden)) * (
+                self.head_lora_alpha / self.head_lora_rank
+            )
         return logits
 
     def adapt_shallow_layer(self, target: torch.nn.Module, index: int) -> torch.nn.Module:
@@ -126,7 +137,9 @@ class ExitHead(torch.nn.Module):
     def save(self, directory: Path) -> None:
         """Write the trained parts (not the target's frozen norm and head)."""
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, directory / EXIT_WEIGHTS)
+        save_file(
+            {k: v.detach().contiguous() for k, v in self.state_dict().items()}, directory / EXIT_WEIGHTS
+        )
         config = {
             "exit_layer": self.exit_layer,
             "adapter_rank": self.adapter_rank,
@@ -143,13 +156,15 @@ class ExitHead(torch.nn.Module):
         head = cls(target, **config)
         for index in shallow:
             head.adapt_shallow_layer(target, index)
-        head.load_state_dict(load_file(directory / EXIT_WEIGHTS, device=str(next(target.parameters()).device)))
+        head.load_state_dict(
+            load_file(directory / EXIT_WEIGHTS, device=str(next(target.parameters()).device))
+        )
         return head.to(next(target.parameters()).dtype).eval().requires_grad_(False)
 
 
 def exit_artifact_dir(context, exit_layer: int) -> Path:
     """Where the trained exit for ``exit_layer`` of the context's target lives."""
-    return context.artifact_path("early_exit") / f"layer-{exit_layer}"
+    return context.artifact_path("early_exit", f"layer-{exit_layer}")
 
 
 @register_proposer("early_exit")
@@ -179,6 +194,7 @@ class EarlyExitProposer(Proposer):
             )
         self.exit_layer = exit_layer
         check_layered_equivalence(target, exit_layer)
+        self.artifact: dict | None = None  # the trained exit's source, set by _load_exit
         self.exit_head = self._load_exit()
         self.kv_reuse = config.kv_reuse and not self.exit_head.adapts_shallow_layers
         if config.kv_reuse and not self.kv_reuse:
@@ -207,6 +223,7 @@ class EarlyExitProposer(Proposer):
                 "or set proposer.trained=false to draft with the target's own norm and head."
             )
         head = ExitHead.load(target, directory)
+        self.artifact = artifact_source(directory)
         if head.exit_layer != self.exit_layer:
             raise ValueError(
                 f"the exit at {directory} was trained for exit layer {head.exit_layer}, not "
@@ -248,7 +265,9 @@ class EarlyExitProposer(Proposer):
         return Draft.chain(draft_tokens, draft_probs)
 
     @torch.inference_mode()
-    def verify_forward(self, target: ModelSession, tokens: list[int], parents: list[int] | None) -> torch.Tensor:
+    def verify_forward(
+        self, target: ModelSession, tokens: list[int], parents: list[int] | None
+    ) -> torch.Tensor:
         """The target's pass over ``tokens`` = [pending] + draft, reusing this round's
         shallow work when the block is a chain starting where the draft started.
 
@@ -270,7 +289,10 @@ class EarlyExitProposer(Proposer):
             layered.crop(0, self.exit_layer, block_start)
             return target.forward(tokens, parents)
         common = 0
-        while common < min(len(tokens), len(draft_round.inputs)) and tokens[common] == draft_round.inputs[common]:
+        while (
+            common < min(len(tokens), len(draft_round.inputs))
+            and tokens[common] == draft_round.inputs[common]
+        ):
             common += 1
         layered.crop(0, self.exit_layer, block_start + common)
         exit_hidden = draft_round.exit_hidden[:common]  # (common, hidden)
@@ -291,6 +313,7 @@ class EarlyExitProposer(Proposer):
             "num_layers": self.context.target.config.num_hidden_layers,
             "kv_reuse": self.kv_reuse,
             "trained": bool(self.config.trained or self.config.adapter_path),
+            "artifact": self.artifact,
             "adapted_shallow_layers": sorted(int(i) for i in self.exit_head.shallow_layers),
         }
 

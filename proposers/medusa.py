@@ -78,6 +78,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from decoders.context import artifact_source
 from decoders.draft import Draft, follow_tokens
 from decoders.draft_length import DraftLengthPolicy, confidence_bucket
 from decoders.dynamic_tree import DynamicTree
@@ -599,6 +600,7 @@ class MedusaProposer(Proposer):
             directory, context.target.get_output_embeddings(), context.target.get_input_embeddings()
         )
         self.heads = artifact.heads
+        self.artifact = artifact_source(directory)
         if routes_narrow_linears(context.target):  # a dynamic tree's levels are narrow passes too
             route_narrow_linears(self.heads)
         self.meta = artifact.meta
@@ -741,11 +743,13 @@ class MedusaProposer(Proposer):
     def describe(self) -> dict:
         if self.dynamic is not None:
             return {
+                "artifact": self.artifact,
                 "num_heads": self.num_heads,
                 "sequential_heads": self.heads.sequential,
                 **self.dynamic.describe(),
             }
         return {
+            "artifact": self.artifact,
             "draft_length_rates": self.policy.as_dict() if self.policy is not None else None,
             "num_heads": self.num_heads,
             "sequential_heads": self.heads.sequential,

@@ -45,7 +45,10 @@ class MergeProposer(Proposer):
     class Config:
         # member proposers: names or {name: ..., options...}, as for `proposer`
         members: list[Any] = field(
-            default_factory=lambda: [{"name": "medusa", "tree": "auto", "tree_budget": "auto"}, {"name": "ngram"}]
+            default_factory=lambda: [
+                {"name": "medusa", "tree": "auto", "tree_budget": "auto"},
+                {"name": "ngram"},
+            ]
         )
 
     sampled = False  # True when a member samples (set in __init__)
@@ -59,6 +62,16 @@ class MergeProposer(Proposer):
             raise ValueError("proposer.members cannot hold another merge; list its members directly")
         self.members: list[Proposer] = [build(proposer_registry, m, context=context) for m in config.members]
         self.sampled = any(member.sampled for member in self.members)
+        # A member that drafts with the target's own layers (early exit) leaves their KV
+        # entries in the target's cache, so it alone may run the verification pass: it
+        # reuses them for its own chain and drops them before any other pass.
+        reusing = [m for m in self.members if type(m).verify_forward is not Proposer.verify_forward]
+        if len(reusing) > 1:
+            raise ValueError(
+                f"proposer=merge can hold at most one member that drafts with the target's own layers; "
+                f"got {', '.join(m.name for m in reusing)}: keep one of them in proposer.members"
+            )
+        self._pass_owner: Proposer | None = reusing[0] if reusing else None
         self._drafts: list[Draft] = []
         self.merged_nodes = 0  # nodes saved by shared prefixes, over all rounds
         self.own_nodes = [0] * len(self.members)  # nodes only this member proposed
@@ -96,6 +109,12 @@ class MergeProposer(Proposer):
                     self.merged_nodes += 1
                 mapped.append(node)
         return Draft(tokens, parents, _rows(tokens, rows))
+
+    def verify_forward(self, target, tokens: list[int], parents: list[int] | None) -> torch.Tensor:
+        """The member that drafted inside the target runs the pass (see ``__init__``)."""
+        if self._pass_owner is not None:
+            return self._pass_owner.verify_forward(target, tokens, parents)
+        return super().verify_forward(target, tokens, parents)
 
     def observe(self, state, acceptance: Acceptance) -> None:
         for member, draft in zip(self.members, self._drafts):

@@ -1,8 +1,22 @@
-"""Shared fixtures: tiny seeded models in float64 so exact equality can be asserted."""
+"""Shared fixtures: tiny seeded models in float64 so exact equality can be asserted.
+
+No test reads the machine it runs on: the project's caches and W&B's folders
+point at a temporary directory, and the target's pass cost T(n), which the
+adaptive drafting policies read, is a synthetic curve written there and handed
+to every process through ``SPECDEC_COST_CURVE`` (subprocesses included).
+``SPECDEC_TEST_COST=flat|steep|moderate`` picks its shape (default moderate), so
+the suite can be checked against a machine where wide passes are free and one
+where every token costs a full pass; a test whose assertions need drafting to
+pay passes its own curve (``Pipeline(..., cost_curve=...)``) or turns
+adaptivity off.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +26,47 @@ os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)  # tiny models gain nothing from threads; CI has 2 shared cores
 
 from decoders import Pipeline  # noqa: E402
+from decoders.cost import COST_CURVE_ENV, CostCurve  # noqa: E402
 from decoders.models import ModelConfig, load_model  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+TEST_COST_CURVES = {
+    "flat": CostCurve({n: 0.01 for n in SIZES}),  # wide passes free: every useful node pays
+    "moderate": CostCurve({n: 0.01 * (1 + 0.05 * (n - 1)) for n in SIZES}),  # +5% per extra token
+    "steep": CostCurve({n: 0.01 * n for n in SIZES}),  # every token a full pass: no draft pays
+}
+#: the curve of tests that need drafting to happen, whatever SPECDEC_TEST_COST says
+DRAFTING_PAYS = TEST_COST_CURVES["flat"]
+
+
+def _isolate_from_the_machine() -> Path:
+    """Point caches, W&B and T(n) at a temporary directory (before any test runs)."""
+    root = Path(tempfile.mkdtemp(prefix="specdec-tests-"))
+    shape = os.environ.get("SPECDEC_TEST_COST", "moderate")
+    if shape not in TEST_COST_CURVES:
+        raise pytest.UsageError(f"SPECDEC_TEST_COST={shape!r}: use one of {sorted(TEST_COST_CURVES)}")
+    curve_file = root / f"cost-{shape}.json"
+    curve_file.write_text(json.dumps({"seconds": TEST_COST_CURVES[shape].seconds}))
+    os.environ[COST_CURVE_ENV] = str(curve_file)
+    os.environ["SPECDEC_CACHE"] = str(root / "cache")
+    for variable in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        os.environ[variable] = str(root / "wandb")
+    return root
+
+
+TEST_ROOT = _isolate_from_the_machine()
+
+
+@pytest.fixture()
+def drafting_pays(monkeypatch, tmp_path):
+    """A flat T(n), whatever SPECDEC_TEST_COST says: for tests whose assertions need
+    adaptive proposers to keep drafting (acceptance counts, chi-square tests that
+    must see drafted tokens) even where the tiny models' drafts are seldom accepted."""
+    curve_file = tmp_path / "cost-drafting-pays.json"
+    curve_file.write_text(json.dumps({"seconds": DRAFTING_PAYS.seconds}))
+    monkeypatch.setenv(COST_CURVE_ENV, str(curve_file))
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +83,24 @@ def tiny_model(tiny_config):
 def tiny_pipeline(tiny_model, tiny_config, tmp_path) -> Pipeline:
     model, tokenizer = tiny_model
     return Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=tmp_path / "artifacts")
+
+
+@pytest.fixture(scope="session")
+def trained_artifacts(tmp_path_factory) -> Path:
+    """An artifacts dir with the default Medusa recipe (copy heads) trained for the tiny
+    model (seconds), so pipelines over every registered proposer can run."""
+    from tests.test_train import train_tiny_medusa
+
+    directory = tmp_path_factory.mktemp("trained-artifacts")
+    train_tiny_medusa(directory)
+    return directory
+
+
+@pytest.fixture()
+def trained_pipeline(tiny_model, tiny_config, trained_artifacts) -> Pipeline:
+    """The tiny pipeline whose artifacts dir holds trained heads (see ``trained_artifacts``)."""
+    model, tokenizer = tiny_model
+    return Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=trained_artifacts)
 
 
 def random_prompts(count: int, vocab: int = 256, seed: int = 0, repetitive: bool = True) -> list[list[int]]:

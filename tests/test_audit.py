@@ -131,7 +131,7 @@ def test_audit_refuses_a_lossy_verifier_when_losslessness_is_required(tmp_path, 
         run_audit(cfg)
 
 
-def test_audit_measures_a_lossy_verifier_with_logit_gaps(tmp_path, accept_all_verifier):
+def test_audit_measures_a_lossy_verifier_with_logit_gaps(drafting_pays, tmp_path, accept_all_verifier):
     cfg = audit_config(
         tmp_path,
         "proposer=ngram",

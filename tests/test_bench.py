@@ -34,7 +34,7 @@ PIPELINE_FIELDS = {
 }
 
 
-def test_bench_cli_greedy_two_turns_with_repeats_and_peers(tmp_path, monkeypatch):
+def test_bench_cli_greedy_two_turns_with_repeats_and_peers(drafting_pays, tmp_path, monkeypatch):
     """Every DESIGN.md field, lossless greedy outputs, turn 2 fed the model's first answer."""
     workload = write_workload(tmp_path)
     fed_answers: dict[str, str | None] = {}
@@ -54,6 +54,9 @@ def test_bench_cli_greedy_two_turns_with_repeats_and_peers(tmp_path, monkeypatch
     for key, kind in TOP_LEVEL.items():
         assert isinstance(results[key], kind), key
     assert results["model"].startswith("tiny-random") and results["dtype"] == "float64"
+    machine = results["machine"]  # where the figures hold
+    assert machine["cpu"] and machine["threads"] >= 1 and isinstance(machine["vector_extensions"], list)
+    assert machine["torch"] and machine["transformers"]
     assert (results["temperature"], results["max_new_tokens"], results["prompts"]) == (0.0, 8, 3)
     pipelines = {p["name"]: p for p in results["pipelines"]}
     assert set(pipelines) == {"standard", "ngram+greedy", "hf_generate", "hf_prompt_lookup"}
@@ -112,8 +115,9 @@ def test_bench_cli_sampling(tmp_path, monkeypatch):
     assert not list(output.parent.glob("*.png"))
 
 
-def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch):
-    """Ctrl-C during the third prompt: results.json holds the two finished prompts."""
+def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the third prompt: results.json holds the two finished prompts, and
+    the command says so and exits with status 130, without a traceback."""
     make_contender = bench.pipeline_contender
 
     def interrupting_contender(pipeline):
@@ -134,11 +138,13 @@ def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "pipeline_contender", interrupting_contender)
     run_dir = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as exit_info:
         run_bench(
             monkeypatch,
             tiny_overrides(write_workload(tmp_path), "proposer=ngram", f"hydra.run.dir={run_dir}"),
         )
+    assert exit_info.value.code == 130
+    assert "results of the 2 finished prompt(s) are in" in capsys.readouterr().err
 
     results = json.loads((run_dir / "results.json").read_text())
     assert results["prompts"] == 2
@@ -191,6 +197,18 @@ def test_bench_pipelines_list_runs_several_pipelines_in_one_run(tmp_path, monkey
     assert 0 < entries["ngram_k2"]["mean_draft_size"] <= 2  # its own options, not the first entry's
     assert entries["ngram_k2"]["info"]["proposer_config"]["k"] == 2
     assert entries["ngram+greedy"]["info"]["proposer_config"]["k"] == 5
+
+
+def test_default_pipelines_skip_the_ones_without_a_trained_artifact(tmp_path, monkeypatch, capsys):
+    """No proposer= and no bench.pipelines: bench.default_pipelines, minus those whose
+    artifact is missing (named with the command that trains it)."""
+    run_dir = tmp_path / "run"
+    defaults = "bench.default_pipelines=[{proposer:ngram,label:lookup},{proposer:medusa,label:heads}]"
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), f"hydra.run.dir={run_dir}", defaults,
+                                          f"artifacts_dir={tmp_path / 'none'}"))  # fmt: skip
+    results = json.loads((run_dir / "results.json").read_text())
+    assert [p["name"] for p in results["pipelines"]] == ["standard", "lookup"]
+    assert "skipping heads: no Medusa heads" in capsys.readouterr().err
 
 
 def test_bench_pipelines_list_rejects_a_malformed_entry():

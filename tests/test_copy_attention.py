@@ -115,7 +115,7 @@ def copy_artifacts(tmp_path_factory):
     ids=["chain", "tree"],
 )
 def test_the_proposers_memory_matches_the_committed_text(
-    tiny_model, tiny_config, copy_artifacts, proposer, verifier
+    drafting_pays, tiny_model, tiny_config, copy_artifacts, proposer, verifier
 ):
     """After speculative rounds (accepted paths compacted out of trees), the memory holds
     exactly the keys and values a single target pass over the committed text gives."""

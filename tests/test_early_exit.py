@@ -133,7 +133,9 @@ def test_kv_reuse_replaces_the_full_verification_pass(base, kv_reuse):
     session = pipeline.session
     full_passes = []
     forward = session.forward
-    session.forward = lambda tokens, parents=None, **kw: full_passes.append(len(tokens)) or forward(tokens, parents, **kw)
+    session.forward = lambda tokens, parents=None, **kw: (
+        full_passes.append(len(tokens)) or forward(tokens, parents, **kw)
+    )
     result = pipeline.generate(random_prompts(1, seed=5)[0], 20)
     rounds = result.stats.target_passes
     assert len(full_passes) == (1 if kv_reuse else 1 + rounds)
@@ -288,7 +290,10 @@ def test_training_the_exit_brings_it_closer_to_the_target(tmp_path, deep_model, 
     prompts = random_prompts(3, seed=4)
     standard = [base.generate(prompt, 20).tokens for prompt in prompts]
     for shallow_lora_layers in (0, 1):
-        overrides = TINY_EXIT_RECIPE + [f"artifacts_dir={tmp_path}", f"drafter.shallow_lora_layers={shallow_lora_layers}"]
+        overrides = TINY_EXIT_RECIPE + [
+            f"artifacts_dir={tmp_path}",
+            f"drafter.shallow_lora_layers={shallow_lora_layers}",
+        ]
         with initialize_config_dir(config_dir=str(Path(REPO_ROOT) / "conf"), version_base="1.3"):
             output = run(compose("train", overrides=overrides))
         assert output == exit_artifact_dir(base.context, 2)

@@ -17,7 +17,9 @@ def run_generate(*overrides: str, cwd) -> subprocess.CompletedProcess:
 
 
 def test_generate_streams_and_prints_stats(tmp_path):
-    done = run_generate("prompt=hello hello hello", "proposer=ngram", "verifier=greedy", "max_new_tokens=24", cwd=tmp_path)
+    done = run_generate(
+        "prompt=hello hello hello", "proposer=ngram", "verifier=greedy", "max_new_tokens=24", cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "[ngram+greedy]" in done.stderr
     assert "mean accepted (tau)" in done.stderr
@@ -33,4 +35,20 @@ def test_generate_rejects_unknown_proposer_and_bad_sampling(tmp_path):
     assert unknown.returncode != 0
     assert "proposer/nope" in unknown.stderr and "ngram" in unknown.stderr
     bad = run_generate("sampling.temperature=-1", cwd=tmp_path)
-    assert bad.returncode != 0 and "sampling.temperature must be >= 0" in bad.stderr
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: sampling.temperature must be >= 0")
+    assert "Traceback" not in bad.stderr
+
+
+def test_project_errors_are_one_line_unless_debugging(tmp_path):
+    """A missing trained artifact: one `error:` line naming the train command, exit 2;
+    debug=true keeps the traceback."""
+    missing = run_generate("prompt=hi", "proposer=medusa", f"artifacts_dir={tmp_path}", cwd=tmp_path)
+    assert missing.returncode == 2, missing.stderr
+    last = missing.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no Medusa heads") and "python -m train drafter=medusa" in last
+    assert "Traceback" not in missing.stderr
+    debugging = run_generate(
+        "prompt=hi", "proposer=medusa", f"artifacts_dir={tmp_path}", "debug=true", cwd=tmp_path
+    )
+    assert debugging.returncode not in (0, 2) and "FileNotFoundError" in debugging.stderr

@@ -21,7 +21,8 @@ def pipeline_or_skip(base, proposer, verifier):
 
 @pytest.mark.parametrize("verifier", lossless_verifiers())
 @pytest.mark.parametrize("proposer", proposer_registry.names())
-def test_greedy_output_equals_standard(tiny_pipeline, proposer, verifier):
+def test_greedy_output_equals_standard(trained_pipeline, proposer, verifier):
+    tiny_pipeline = trained_pipeline  # heads trained for the tiny model: no proposer is skipped
     pipeline = pipeline_or_skip(tiny_pipeline, proposer, verifier)
     total_accepted = 0
     for k in (1, 4):
@@ -37,9 +38,10 @@ def test_greedy_output_equals_standard(tiny_pipeline, proposer, verifier):
 
 
 @pytest.mark.parametrize("proposer", proposer_registry.names())
-def test_eos_inside_a_draft_stops_generation(tiny_pipeline, proposer):
+def test_eos_inside_a_draft_stops_generation(trained_pipeline, proposer):
     """Make a token the model produces mid-sequence an EOS: output stops right there,
     even when the EOS arrives inside an accepted draft."""
+    tiny_pipeline = trained_pipeline
     pipeline = pipeline_or_skip(tiny_pipeline, proposer, "greedy")
     for prompt in random_prompts(6, seed=11):
         free = tiny_pipeline.generate(prompt, 30).tokens

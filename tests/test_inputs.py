@@ -82,7 +82,12 @@ def test_workload_selection(tmp_path):
     assert len(load_workload(WorkloadConfig(path=str(path), turns=2))[0].turns) == 2
     default = load_workload(WorkloadConfig())
     assert {p.category for p in default} == {
-        "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"
+        "mt_bench",
+        "translation",
+        "summarization",
+        "qa",
+        "math_reasoning",
+        "rag",
     }
 
 

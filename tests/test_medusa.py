@@ -238,7 +238,7 @@ def test_greedy_output_equals_standard_decoding(base, proposer, verifier):
     ],
     ids=["chain-rejection", "dynamic-tree", "merged-with-ngram"],
 )
-def test_sampling_keeps_the_targets_distribution(base, proposer, verifier):
+def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, verifier):
     """Drafted tokens (from the second generated one on) follow the target's
     distribution exactly, whether sampled chains (rejection sampling against the
     heads' draft_probs) or deterministic dynamic trees (point-mass rule): chi-square
@@ -318,3 +318,26 @@ def test_auto_budget_is_rechosen_from_measured_acceptance(base):
         pipeline.generate(prompt, 24)
     assert pipeline.proposer.profile.rounds > tuner.every
     assert tuner.expected_tokens_per_s is not None and 1 <= tuner.budget <= len(TREE)
+
+
+def test_shipped_heads_load_from_package_data_and_stay_lossless(
+    artifacts, tiny_model, tiny_config, tmp_path, monkeypatch
+):
+    """`python -m train.ship` copies the heads in bfloat16 into the shipped drafters; a
+    pipeline with no artifacts of its own then finds them, says so, and its greedy output
+    is still standard decoding's."""
+    from decoders import context as context_module
+    from train.ship import ship
+
+    model, tokenizer = tiny_model
+    key = Pipeline(model, tokenizer, model_config=tiny_config).context.target_key
+    shipped_root = tmp_path / "shipped"
+    monkeypatch.setattr(context_module, "SHIPPED_ARTIFACTS", shipped_root)
+    ship(artifacts / key / "medusa", shipped_root / key / "medusa")
+    assert not (shipped_root / key / "medusa" / "checkpoint.pt").exists()
+
+    base = Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=tmp_path / "none")
+    pipeline = base.with_components("medusa", "greedy")
+    assert pipeline.proposer.describe()["artifact"]["shipped"] is True
+    for prompt in random_prompts(3, seed=4):
+        assert pipeline.generate(prompt, 16).tokens == base.generate(prompt, 16).tokens

@@ -116,11 +116,34 @@ def test_greedy_output_equals_standard_decoding(tiny_pipeline, members, verifier
     assert accepted > 0
 
 
+def member_pairs() -> list[tuple[str, str]]:
+    """Every ordered pair of distinct registered proposers (merge itself excepted)."""
+    names = [name for name in proposer_registry.names() if name != "merge"]
+    return [(first, second) for first in names for second in names if first != second]
+
+
+@pytest.mark.parametrize(("first", "second"), member_pairs(), ids="+".join)
+def test_every_pair_of_proposers_merges_losslessly(trained_pipeline, first, second):
+    """Greedy identity for the merge of any two proposers, in both orders, including
+    members that draft with the target's own layers (early exit)."""
+    pipeline = trained_pipeline.with_components({"name": "merge", "members": [first, second]}, "tree")
+    proposed = 0
+    for prompt in random_prompts(3, seed=8):
+        for max_new in (1, 12):
+            expected = trained_pipeline.generate(prompt, max_new).tokens
+            result = pipeline.generate(prompt, max_new)
+            assert result.tokens == expected, (first, second, prompt, max_new)
+            proposed += result.stats.proposed
+    assert proposed > 0, "neither member drafted: the pair was not exercised"
+
+
 def test_bad_members_are_refused(tiny_pipeline):
     context = tiny_pipeline.context
     with pytest.raises(ValueError, match="at least one member"):
         build(proposer_registry, {"name": "merge", "members": []}, context=context)
     with pytest.raises(ValueError, match="another merge"):
         build(proposer_registry, {"name": "merge", "members": ["ngram", {"name": "merge"}]}, context=context)
+    with pytest.raises(ValueError, match="at most one member that drafts with the target's own layers"):
+        build(proposer_registry, {"name": "merge", "members": ["early_exit", "early_exit"]}, context=context)
     with pytest.raises(RegistryError, match="unknown proposer 'nope'"):
         build(proposer_registry, {"name": "merge", "members": ["nope"]}, context=context)

@@ -403,7 +403,7 @@ E2E_SAMPLING = SamplingConfig(temperature=0.8, top_k=6, top_p=0.95)
 
 
 @pytest.mark.parametrize("proposer", proposer_registry.names())
-def test_first_tokens_have_standard_decodings_distribution(small_vocab, tmp_path, proposer):
+def test_first_tokens_have_standard_decodings_distribution(drafting_pays, small_vocab, tmp_path, proposer):
     """Chi-square of 300 speculative samples (one per seed) of the first 3 tokens
     against standard decoding's exact distribution, enumerated from the model."""
     standard = small_pipeline(small_vocab, tmp_path, E2E_SAMPLING)

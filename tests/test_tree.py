@@ -234,8 +234,7 @@ TREE_PROPOSERS = [  # ngram without its length policy, whose cuts follow a cost 
 
 
 @pytest.mark.parametrize("proposer", TREE_PROPOSERS, ids=lambda p: "-".join(f"{v}" for v in p.values()))
-def test_tree_decoding_is_identical_to_standard_greedy(tiny_pipeline, proposer, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # tree_budget=auto measures a cost curve
+def test_tree_decoding_is_identical_to_standard_greedy(drafting_pays, tiny_pipeline, proposer):
     pipeline = tiny_pipeline.with_components(proposer, "tree")
     branched_rounds = accepted = 0
     for prompt in random_prompts(6, seed=5):

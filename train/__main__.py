@@ -6,10 +6,12 @@ import hydra
 from omegaconf import DictConfig
 
 from decoders.config import CONF_DIR
+from decoders.errors import cli_errors
 from train.job import run
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
+@cli_errors
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -66,7 +66,7 @@ class TrainJob:
     def output_dir(self) -> Path:
         """Where the artifact goes: ``<artifacts_dir>/<target>/<drafter>`` unless train.output is set."""
         output = self.cfg.train.get("output")
-        return Path(output) if output else self.pipeline.context.artifact_path(self.drafter)
+        return Path(output) if output else self.pipeline.context.own_artifact_path(self.drafter)
 
     @property
     def data_root(self) -> Path:
