@@ -194,3 +194,47 @@ def test_default_model_greedy_bit_identical(default_model_present, dtype):
             assert_bit_identical(base, pipeline, prompt, 32)
             checked.append((proposer, verifier))
     assert ("ngram", "tree") in checked, checked
+
+
+# ------------------------------------------------------------- audit and bench
+
+
+@pytest.mark.parametrize("exact", ["true", "false"])
+def test_audit_reports_bit_identical(tmp_path, drafting_pays, exact):
+    """float32 tiny model: bit-identical decisive logits with exact mode; without it
+    the tokens still agree (ties are rare) but the logits do not: the narrow route
+    computes single rows (gemv) and passes of several (gemm) with different sums."""
+    from decoders.audit import run_audit
+    from tests.test_audit import audit_config
+
+    cfg = audit_config(
+        tmp_path, "model.dtype=float32", f"model.exact={exact}", "proposer=ngram", "audit.prompts=3"
+    )
+    audit = run_audit(cfg)
+    assert audit["exact_mode"] is (exact == "true")
+    assert audit["passed"] and audit["greedy_identical"] == 1.0
+    assert audit["bit_identical"] == 1.0 if exact == "true" else audit["bit_identical"] < 1.0
+    assert "bit-identical logits on" in audit["verdict"]
+
+
+def test_bench_times_exact_off_twins(tmp_path, monkeypatch):
+    """bench.exact_off: every pipeline also runs with exact mode off, measured against
+    standard decoding with it off; both T(n) curves are recorded."""
+    import json
+
+    from tests.bench_helpers import run_bench, tiny_overrides, write_workload
+
+    output = tmp_path / "results.json"
+    overrides = ["model.dtype=float32", "model.exact=true", "bench.exact_off=true", "proposer=ngram"]
+    overrides += [f"bench.output={output}", "bench.plots=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), *overrides))
+    results = json.loads(output.read_text())
+    assert results["exact"] is True and results["dtype"] == "float32"
+    assert results["cost_curve"]["sizes"] and results["cost_curve_exact_off"]["sizes"]
+    pipelines = {p["name"]: p for p in results["pipelines"]}
+    assert set(pipelines) == {"standard", "ngram+greedy", "standard (exact off)", "ngram+greedy (exact off)"}
+    assert pipelines["standard (exact off)"]["baseline"] == "standard (exact off)"
+    assert pipelines["standard (exact off)"]["speedup"] == 1.0
+    assert pipelines["ngram+greedy (exact off)"]["baseline"] == "standard (exact off)"
+    assert pipelines["ngram+greedy"]["identical_outputs"] == 1.0
+    assert pipelines["ngram+greedy"]["baseline"] == "standard"
