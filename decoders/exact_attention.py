@@ -23,7 +23,8 @@ row, so a tree costs one small gather, not a copy of the prefix per node.
 What this relies on, measured on the CPU kernels (MKL float32/float64, oneDNN
 bfloat16) and re-checked at load time by :mod:`decoders.invariance`: a matmul
 row's bits do not depend on the batch size or on how many other rows share it
-once there are at least ``MIN_ROWS``, and reductions over a fixed length, or
+(in float32 and float64 once there are at least ``MKL_MIN_ROWS``; products of
+fewer are padded with zero rows), and reductions over a fixed length, or
 sequential over a leading dimension padded with zeros, do not change.
 
 Passes of more than ``MAX_ROWS`` queries (the prefill) and anything with a
@@ -39,7 +40,7 @@ import torch
 
 ATTENTION_NAME = "specdec_exact"
 CHUNK = 64  # keys per chunk, in absolute positions
-MIN_ROWS = 4  # query rows per product: MKL computes 1-3 rows another way than 4 or more
+MKL_MIN_ROWS = 4  # float32/float64 query rows per product: MKL computes 1-3 rows unlike 4 or more
 MAX_ROWS = 64  # wider passes (the prefill) use SDPA
 
 # (mask, prefix, rows) -> tail layout; one pass calls every layer with the same mask
@@ -149,8 +150,10 @@ def _invariant_attention(
         unpack = (kv_heads, groups, rows, shared // CHUNK)
         parts.append((peak.reshape(unpack), total.reshape(unpack), mixed.reshape(*unpack, dim)))
     flat = index.reshape(-1)
-    tail_keys = key[:, flat].reshape(kv_heads, rows, width, dim)  # each row's tail, standard layout
-    tail_values = value[:, flat].reshape(kv_heads, rows, width, dim)
+    tail_keys = key.index_select(1, flat).reshape(
+        kv_heads, rows, width, dim
+    )  # each row's tail, standard layout
+    tail_values = value.index_select(1, flat).reshape(kv_heads, rows, width, dim)
     per_row = query.reshape(kv_heads, groups, rows, dim).transpose(1, 2)  # (kv_heads, rows, groups, d)
     tail_real = real.reshape(1, rows, 1, width // CHUNK, CHUNK)
     peak, total, mixed = _chunk_stats(per_row, tail_keys, tail_values, tail_real, scale)
@@ -183,8 +186,9 @@ def _chunk_stats(
     max) (..., m, n) and exp-weighted values (..., m, n, d), in float32 or float64.
     """
     rows = query.shape[-2]
-    if rows < MIN_ROWS:
-        query = torch.cat([query, query.new_zeros(*query.shape[:-2], MIN_ROWS - rows, query.shape[-1])], -2)
+    pad = MKL_MIN_ROWS - rows if query.dtype in (torch.float32, torch.float64) else 0
+    if pad > 0:
+        query = torch.cat([query, query.new_zeros(*query.shape[:-2], pad, query.shape[-1])], -2)
     chunks = key.shape[-2] // CHUNK
     compute = torch.promote_types(query.dtype, torch.float32)
     scores = torch.matmul(query, key.transpose(-1, -2))[..., :rows, :].to(compute) * scale  # (..., m, L)
@@ -195,8 +199,8 @@ def _chunk_stats(
     exps = torch.exp(scores - torch.where(peak.isinf(), 0.0, peak).unsqueeze(-1))  # masked keys: 0
     total = exps.sum(-1)  # (..., m, n), always over CHUNK keys
     probs = exps.to(value.dtype).transpose(-3, -2)  # (..., n, m, C)
-    if rows < MIN_ROWS:
-        probs = torch.cat([probs, probs.new_zeros(*probs.shape[:-2], MIN_ROWS - rows, CHUNK)], -2)
+    if pad > 0:
+        probs = torch.cat([probs, probs.new_zeros(*probs.shape[:-2], pad, CHUNK)], -2)
     mixed = torch.matmul(probs, value.unflatten(-2, (chunks, CHUNK)))[..., :rows, :]  # (..., n, m, d)
     return peak, total, mixed.transpose(-3, -2).to(compute)
 

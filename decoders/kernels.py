@@ -36,7 +36,7 @@ def narrow_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tenso
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
     if not self._narrow_transposed:  # exact mode on the default route
-        y = F.linear(_zero_padded(flat, -(-rows // 4) * 4), self.weight)[:rows]
+        y = F.linear(_zero_padded(flat, exact_linear_rows(rows)), self.weight)[:rows]
     elif exact:
         y = torch.cat([_transposed_product(self.weight, block, width) for block, width in exact_blocks(flat)])
     else:
@@ -73,6 +73,16 @@ def padded_rows(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
+def exact_linear_rows(rows: int) -> int:
+    """Rows ``F.linear`` computes in exact mode: the next multiple of 4. On the CPU
+    kernels measured (MKL in float32 and float64, oneDNN in bfloat16), passes of 4,
+    8, 12, ... 64 rows give a row the same bits, while a single row takes another
+    kernel (gemv; in bfloat16 it differs on SmolLM2's 1536-input down projection) and
+    so do 2-3 rows and the widths between (in bfloat16 on narrow outputs, e.g. a
+    32-output projection)."""
+    return -(-rows // 4) * 4
+
+
 def exact_blocks(flat: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     """The exact narrow route's products: blocks of up to 8 rows, each computed over
     4 or 8 columns. MKL (float32, float64) gives each column of ``weight @ X`` the
@@ -95,8 +105,8 @@ def route_narrow_linears(
     transposed: the narrow route, ``(W @ x.T).T`` for 2 rows or more (single rows
         keep ``F.linear``). Off: ``F.linear`` (only useful with ``exact``).
     exact: make each row's product independent of how many rows share the call,
-        single rows included (:func:`exact_blocks`; on the default route, rows padded
-        to a multiple of 4, the widths MKL and oneDNN compute alike).
+        single rows included (:func:`exact_blocks` on the narrow route,
+        :func:`exact_linear_rows` on the default one).
     """
     count = 0
     for module in model.modules():

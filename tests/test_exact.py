@@ -22,7 +22,7 @@ from tests.test_greedy_identity import lossless_verifiers, pipeline_or_skip
 
 DTYPES = ["float64", "float32", "bfloat16"]
 # Two roots, siblings between a node and its ancestors, 12 nodes: more than one
-# 8-row block of the exact linear route and more query rows than MIN_ROWS.
+# 8-row block of the exact linear route and more query rows than MKL_MIN_ROWS.
 WIDE_TREE = [-1, -1, 0, 0, 1, 2, 2, 3, 4, 6, 6, 9]
 
 
