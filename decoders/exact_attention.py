@@ -191,17 +191,20 @@ def _chunk_stats(
         query = torch.cat([query, query.new_zeros(*query.shape[:-2], pad, query.shape[-1])], -2)
     chunks = key.shape[-2] // CHUNK
     compute = torch.promote_types(query.dtype, torch.float32)
-    scores = torch.matmul(query, key.transpose(-1, -2))[..., :rows, :].to(compute) * scale  # (..., m, L)
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    scores = (scores[..., :rows, :] if pad > 0 else scores).to(compute) * scale  # (..., m, L)
     scores = scores.unflatten(-1, (chunks, CHUNK))  # (..., m, n, C)
     if real is not None:
         scores = scores.masked_fill(~real, float("-inf"))
     peak = scores.amax(-1)  # (..., m, n)
-    exps = torch.exp(scores - torch.where(peak.isinf(), 0.0, peak).unsqueeze(-1))  # masked keys: 0
+    offset = peak if real is None else torch.where(peak.isinf(), 0.0, peak)  # no key in the chunk: 0
+    exps = torch.exp(scores - offset.unsqueeze(-1))  # masked keys: 0
     total = exps.sum(-1)  # (..., m, n), always over CHUNK keys
     probs = exps.to(value.dtype).transpose(-3, -2)  # (..., n, m, C)
     if pad > 0:
         probs = torch.cat([probs, probs.new_zeros(*probs.shape[:-2], pad, CHUNK)], -2)
-    mixed = torch.matmul(probs, value.unflatten(-2, (chunks, CHUNK)))[..., :rows, :]  # (..., n, m, d)
+    mixed = torch.matmul(probs, value.unflatten(-2, (chunks, CHUNK)))  # (..., n, m, d)
+    mixed = mixed[..., :rows, :] if pad > 0 else mixed
     return peak, total, mixed.transpose(-3, -2).to(compute)
 
 
