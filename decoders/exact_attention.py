@@ -75,7 +75,9 @@ def exact_attention(
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scale = dim**-0.5 if scaling is None else scaling
-    out = _invariant_attention(query[0], key[0], value[0], prefix, layout, scale)  # (heads, q, d)
+    compute = torch.promote_types(query.dtype, torch.float32)  # bfloat16 in float32: MKL's small products
+    parts = (query[0].to(compute), key[0].to(compute), value[0].to(compute))
+    out = _invariant_attention(*parts, prefix, layout, scale)  # (heads, q, d)
     return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
