@@ -15,6 +15,10 @@ baseline's decode step) and wide ones (prefill) on the default route. It
 changes no weights, only the order of the floating-point sums, and it changes
 the module itself, so every decoder that runs the model (standard decoding,
 the speculative loop, transformers' ``generate`` in the peers) gets it.
+
+Exact mode (:func:`configure_passes` with ``exact``; ``model.exact``) routes every
+pass, single rows included, so that a row's product does not depend on how many
+rows share it, and switches attention to :mod:`decoders.exact_attention`.
 """
 
 from __future__ import annotations
@@ -210,10 +214,12 @@ def use_packed_gqa_attention(model: torch.nn.Module) -> bool:
 def wants_exact(setting: str | bool, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether exact mode is on, and why (the line announced at load time).
 
-    ``auto``: on for bfloat16 on CPU, where it was measured to cost little (README,
-    "Exact mode"); off for float32 and float64 on CPU, where standard decoding's single-token
-    passes would have to be computed four rows wide; off on other devices, whose
-    kernels were not measured.
+    ``auto`` (chosen from the measurements in README, "Exact mode"): on for
+    bfloat16 on CPU, where without it greedy speculative output left standard
+    decoding's on 58-67% of Spec-Bench prompts (floating-point ties) and with it the
+    measured pipelines ran 7-17% slower than with it off; off for float32 and float64,
+    whose ties are rare (logit gaps of 1e-6) and where its wide passes cost up to
+    1.5x (16 tokens); off on other devices, whose kernels were not measured.
     """
     if isinstance(setting, str) and setting in ("true", "on", "false", "off"):
         setting = setting in ("true", "on")
@@ -227,7 +233,7 @@ def wants_exact(setting: str | bool, device: torch.device, dtype: torch.dtype) -
     if dtype != torch.bfloat16:
         return (
             False,
-            f"model.exact=auto: off for {name} on cpu, where it costs standard decoding most (README)",
+            f"model.exact=auto: off for {name} on cpu, where ties are rare and wide passes cost most",
         )
     return True, f"model.exact=auto: on for {name} on cpu"
 
