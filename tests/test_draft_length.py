@@ -45,3 +45,17 @@ def test_as_dict_reports_measured_rates():
     rates = policy.as_dict()["2"]
     assert rates["depth1"]["tried"] == 1 and rates["depth2"]["tried"] == 1
     assert "depth3" not in rates
+
+
+def test_flat_curve_drafts_what_is_ever_accepted_and_steep_curve_drafts_nothing():
+    """The same acceptance (half of depth-1 tokens, a quarter of depth-2 ones), two
+    machines: where wide passes are free every depth that is sometimes accepted pays;
+    where every token costs a full pass (T(n) = n) no draft can pay for itself."""
+    rounds = [2] * 25 + [1] * 25 + [0] * 50  # accepted tokens of 100 drafts of 3
+    flat = DraftLengthPolicy(3, lambda: curve(0.0))
+    steep = DraftLengthPolicy(3, lambda: curve(1.0))
+    for accepted in rounds:
+        flat.record("s", 3, accepted)
+        steep.record("s", 3, accepted)
+    assert flat.choose("s", 3) == 2  # depth 3 was never accepted: (0 + 1) / (26) < 1% gain
+    assert steep.choose("s", 3) == 0

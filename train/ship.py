@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from decoders.context import SHIPPED_ARTIFACTS
 
-LEFT_OUT = {"checkpoint.pt"}  # resumption state, not part of the drafter
+LEFT_OUT = {"checkpoint.pt", "README.md"}  # resumption state; PEFT's generated model card
 
 
 def ship(artifact: Path, destination: Path) -> int:
