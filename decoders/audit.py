@@ -13,6 +13,9 @@ Two checks; the verdict is printed and the figures written to ``audit.output``:
   between them there (standard's token minus the pipeline's, from a plain target
   pass over the common prefix). A divergence whose gap is within
   ``audit.tie_tolerance`` is a floating-point tie and does not fail the audit.
+  ``bit_identical`` is the share of prompts where, beyond the tokens, every
+  target logit row the pipeline decided from equals standard decoding's at the
+  same position bit for bit (what exact mode, ``model.exact``, guarantees).
 * **sampling** (only when sampling.temperature > 0): the first
   ``audit.sampled_tokens`` generated tokens must have standard decoding's
   distribution. With a vocabulary of at most ``audit.max_enumerable_vocab``
@@ -38,7 +41,8 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -63,6 +67,7 @@ from decoders.config import (  # noqa: E402
     workload_config,
 )
 from decoders.errors import cli_errors  # noqa: E402
+from decoders.kernels import exact_passes  # noqa: E402
 from decoders.metrics import first_divergence  # noqa: E402
 from decoders.models import load_model  # noqa: E402
 from decoders.registry import verifier_registry  # noqa: E402
@@ -391,16 +396,49 @@ def target_logits_after(pipeline: Pipeline, token_ids: list[int]) -> torch.Tenso
     return session.forward(token_ids)[-1].double()
 
 
+@contextmanager
+def decided_rows(pipeline: Pipeline) -> Iterator[list[torch.Tensor]]:
+    """Collects, while in the block, the target logit row behind each position the
+    pipeline's session commits: the rows of the last language-model-head call
+    (the round's target pass) that ``keep`` retains, in position order."""
+    session = pipeline.session
+    rows: list[torch.Tensor] = []
+    last: list[torch.Tensor] = []
+
+    def remember(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        last[:] = [output.reshape(-1, output.shape[-1])]
+
+    def keep(start: int, kept: list[int]) -> None:
+        rows.extend(last[0][kept])
+        ModelSession.keep(session, start, kept)
+
+    hook = session.lm_head.register_forward_hook(remember)
+    session.keep = keep  # type: ignore[method-assign]
+    try:
+        yield rows
+    finally:
+        hook.remove()
+        del session.keep
+
+
 def greedy_audit(
     standard: Pipeline, speculative: Pipeline, prompts: list[AuditPrompt], max_new_tokens: int
-) -> tuple[float, list[Divergence]]:
-    """Share of prompts whose outputs are identical, and the divergences."""
+) -> tuple[float, float, list[Divergence]]:
+    """Shares of prompts whose outputs are identical and whose decisive logits are
+    bit-identical too (:func:`decided_rows`), and the divergences."""
     divergences: list[Divergence] = []
+    bit_identical = 0
     for prompt_id, prompt_ids in tqdm(prompts, desc="greedy"):
-        expected = standard.generate(prompt_ids, max_new_tokens).tokens
-        produced = speculative.generate(prompt_ids, max_new_tokens).tokens
+        with decided_rows(standard) as expected_rows:
+            expected = standard.generate(prompt_ids, max_new_tokens).tokens
+        with decided_rows(speculative) as produced_rows:
+            produced = speculative.generate(prompt_ids, max_new_tokens).tokens
         position = first_divergence(produced, expected)
         if position is None:
+            common = min(len(expected_rows), len(produced_rows))
+            same = all(torch.equal(a, b) for a, b in zip(expected_rows[:common], produced_rows[:common]))
+            if same and common >= len(expected) - 1:
+                bit_identical += 1
             continue
         standard_token = expected[position] if position < len(expected) else None
         pipeline_token = produced[position] if position < len(produced) else None
@@ -409,7 +447,7 @@ def greedy_audit(
             logits = target_logits_after(standard, prompt_ids + expected[:position])
             gap = float(logits[standard_token] - logits[pipeline_token])
         divergences.append(Divergence(prompt_id, position, standard_token, pipeline_token, gap))
-    return 1 - len(divergences) / len(prompts), divergences
+    return 1 - len(divergences) / len(prompts), bit_identical / len(prompts), divergences
 
 
 # ------------------------------------------------------------------------ audit
@@ -555,7 +593,7 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
     start = time.perf_counter()
 
     speculative = standard.with_components(proposer_cfg, verifier_cfg)
-    identical, divergences = greedy_audit(
+    identical, bit_identical, divergences = greedy_audit(
         standard, speculative, prompts[: audit.prompts], audit.max_new_tokens
     )
     ties_only = all(d.logit_gap is not None and abs(d.logit_gap) <= tolerance for d in divergences)
@@ -565,7 +603,9 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
         return {
             "passed": passed,
             "complete": complete,
-            "verdict": verdict(passed, identical, divergences, tolerance, sampling_result, declared_lossless),
+            "verdict": verdict(
+                passed, identical, bit_identical, divergences, tolerance, sampling_result, declared_lossless
+            ),
             "pipeline": speculative.name,
             "proposer": speculative.proposer.name,  # type: ignore[union-attr]
             "verifier": verifier_name,
@@ -577,6 +617,8 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
             "top_k": sampling.top_k,
             "top_p": sampling.top_p,
             "greedy_identical": identical,
+            "bit_identical": bit_identical,
+            "exact_mode": exact_passes(target),
             "greedy_prompts": len(prompts[: audit.prompts]),
             "greedy_max_new_tokens": audit.max_new_tokens,
             "tie_tolerance": tolerance,
@@ -606,6 +648,7 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
 def verdict(
     passed: bool,
     identical: float,
+    bit_identical: float,
     divergences: list[Divergence],
     tolerance: float,
     sampling: dict | None,
@@ -615,7 +658,8 @@ def verdict(
     ties = sum(1 for d in divergences if d.logit_gap is not None and abs(d.logit_gap) <= tolerance)
     parts = [
         f"greedy identical on {identical:.0%} of prompts ({len(divergences)} divergence(s), "
-        f"{ties} of them floating-point ties within {tolerance:g})"
+        f"{ties} of them floating-point ties within {tolerance:g}), "
+        f"bit-identical logits on {bit_identical:.0%}"
     ]
     if sampling is None:
         parts.append("sampling test skipped (sampling.temperature=0)")
@@ -646,7 +690,14 @@ def log_audit(cfg: DictConfig, payload: dict) -> None:
             reinit="finish_previous", settings=wandb.Settings(console="off"),
         )  # fmt: skip
         try:
-            keys = ("passed", "greedy_identical", "sampling_p_value", "pipeline_samples", "standard_samples")
+            keys = (
+                "passed",
+                "greedy_identical",
+                "bit_identical",
+                "sampling_p_value",
+                "pipeline_samples",
+                "standard_samples",
+            )
             run.summary.update({key: payload[key] for key in keys if payload[key] is not None})
             columns = list(Divergence.__dataclass_fields__)
             run.log(

@@ -51,6 +51,7 @@ from decoders.config import (  # noqa: E402
 )
 from decoders.cost import CostCurve, cached_cost_curve  # noqa: E402
 from decoders.errors import cli_errors  # noqa: E402
+from decoders.kernels import configure_passes, exact_passes, routes_narrow_linears  # noqa: E402
 from decoders.machine import machine_info, machine_line  # noqa: E402
 from decoders.metrics import Record, first_divergence, physical_limit, pipeline_entry  # noqa: E402
 from decoders.models import load_model, resolve_device  # noqa: E402
@@ -58,6 +59,8 @@ from decoders.peers import make_peers  # noqa: E402
 from decoders.plots import bench_plots  # noqa: E402
 from decoders.tracking import log_benchmark  # noqa: E402
 from decoders.workloads import Prompt, load_workload  # noqa: E402
+
+EXACT_OFF = " (exact off)"
 
 
 @dataclass
@@ -73,6 +76,23 @@ class Contender:
     # what the pipeline reports about itself, asked when results are written (after the
     # prompts run), so it holds what the proposer measured: acceptance profiles, budgets
     describe: Callable[[], dict] | None = None
+    baseline: str = "standard"  # the contender its speedup and identical_outputs are measured against
+
+
+def exact_off_twin(contender: Contender, target) -> Contender:
+    """``contender`` (built for this: its proposer's state is its own) run with exact
+    mode switched off for its calls (``bench.exact_off``), measured against standard
+    decoding with exact mode off."""
+    narrow = routes_narrow_linears(target)
+
+    def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
+        configure_passes(target, narrow, exact=False)
+        try:
+            return contender.run(prompt_ids, max_new_tokens)
+        finally:
+            configure_passes(target, narrow, exact=True)
+
+    return replace(contender, name=f"{contender.name}{EXACT_OFF}", run=run, baseline=f"standard{EXACT_OFF}")
 
 
 def pipeline_contender(pipeline: Pipeline) -> Contender:
@@ -180,6 +200,16 @@ def target_cost_curve(cfg: DictConfig, base: Pipeline, output: Path) -> CostCurv
     return cached_cost_curve(base.model, base.context.target_key, cache)
 
 
+def exact_off_cost_curve(cfg: DictConfig, base: Pipeline, output: Path) -> CostCurve:
+    """T(n) of the target with exact mode switched off (``bench.exact_off``)."""
+    narrow = routes_narrow_linears(base.model)
+    configure_passes(base.model, narrow, exact=False)
+    try:
+        return target_cost_curve(cfg, base, output)
+    finally:
+        configure_passes(base.model, narrow, exact=True)
+
+
 def write_json(path: Path, payload: dict) -> None:
     """Atomic write: an interrupted run never leaves a truncated results file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,13 +225,16 @@ def results_payload(
     contenders: list[Contender],
     records: dict[str, list[Record]],
     prompts_done: int,
-    cost_curve: CostCurve,
+    cost_curves: dict[str, CostCurve],
 ) -> dict:
+    """results.json; ``cost_curves`` holds T(n) per baseline name (``standard``, and
+    ``standard (exact off)`` with ``bench.exact_off``)."""
     sampling = base.sampling
-    baseline = records["standard"]
-    reference = {(r.prompt_id, r.turn, r.repeat): r.tokens for r in baseline}
     pipelines = []
     for contender in contenders:
+        baseline = records[contender.baseline]
+        reference = {(r.prompt_id, r.turn, r.repeat): r.tokens for r in baseline}
+        cost_curve = cost_curves.get(contender.baseline, cost_curves["standard"])
         entry = pipeline_entry(
             contender.name,
             contender.kind,
@@ -218,6 +251,7 @@ def results_payload(
             entry.update(limit)  # ideal_speedup, mean_draft_size, draft_seconds_per_round
             entry["efficiency"] = entry["speedup"] / limit["ideal_speedup"]
         entry["lossless"] = contender.lossless
+        entry["baseline"] = contender.baseline
         if contender.describe is not None:
             entry["info"] = contender.describe()
         entry["records"] = []
@@ -229,10 +263,15 @@ def results_payload(
                 )
             entry["records"].append(row)
         pipelines.append(entry)
+    curves = {
+        name: {"sizes": sorted(curve.seconds), "seconds": [curve.seconds[n] for n in sorted(curve.seconds)]}
+        for name, curve in cost_curves.items()
+    }
     return {
         "model": base.context.target_key,
         "dtype": str(base.session.dtype).removeprefix("torch."),
         "device": str(base.session.device),
+        "exact": exact_passes(base.model),
         "machine": machine_info(base.session.device),
         "temperature": sampling.temperature,
         "top_k": sampling.top_k,
@@ -243,10 +282,8 @@ def results_payload(
         "workload_path": cfg.workload.path,
         "repeats": cfg.bench.repeats,
         "turns": cfg.workload.turns,
-        "cost_curve": {
-            "sizes": sorted(cost_curve.seconds),
-            "seconds": [cost_curve.seconds[n] for n in sorted(cost_curve.seconds)],
-        },
+        "cost_curve": curves["standard"],
+        "cost_curve_exact_off": curves.get(f"standard{EXACT_OFF}"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "pipelines": pipelines,
     }
@@ -271,6 +308,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
         proposers = {p.proposer.name: p.proposer for p in pipelines if p.proposer is not None}
         peers = make_peers(target, sorted(base.eos_token_ids()), sampling, proposers)
         contenders += [peer_contender(peer) for peer in peers]
+    if cfg.bench.exact_off and exact_passes(target):
+        twins = [base.with_components(None, None)] + build_pipelines(cfg, base)
+        contenders += [exact_off_twin(pipeline_contender(p), target) for p in twins]
     prompts = load_workload(workload_config(cfg))
     output = Path(cfg.bench.output)
     max_new = cfg.bench.max_new_tokens
@@ -280,7 +320,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
         f"dtype {base.session.dtype}\n[bench] machine: {machine_line(machine_info(base.session.device))}",
         file=sys.stderr,
     )
-    cost_curve = target_cost_curve(cfg, base, output)
+    cost_curves = {"standard": target_cost_curve(cfg, base, output)}
+    if any(c.baseline != "standard" for c in contenders):
+        cost_curves[f"standard{EXACT_OFF}"] = exact_off_cost_curve(cfg, base, output)
 
     warm_ids = base.encode(prompts[0].turns[0])
     for contender in tqdm(contenders, desc="warm-up", leave=False):
@@ -314,9 +356,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
                             text=text,
                         )
                         records[contender.name].append(record)
-                        if contender.kind == "standard" and turn == 0 and repeat == 0 and text is not None:
+                        if contender.name == "standard" and turn == 0 and repeat == 0 and text is not None:
                             first_answers[prompt.id] = text
-            payload = results_payload(cfg, base, contenders, records, number + 1, cost_curve)
+            payload = results_payload(cfg, base, contenders, records, number + 1, cost_curves)
             write_json(output, payload)
             progress.set_postfix(
                 {

