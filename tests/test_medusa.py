@@ -217,7 +217,7 @@ CASES = [("medusa", v) for v in LOSSLESS] + [
 
 
 @pytest.mark.parametrize(("proposer", "verifier"), CASES)
-def test_greedy_output_equals_standard_decoding(base, proposer, verifier):
+def test_greedy_output_equals_standard_decoding(drafting_pays, base, proposer, verifier):
     pipeline = base.with_components(proposer, verifier)
     accepted = 0
     for prompt in random_prompts(3, seed=8) + ["Write a story about"]:

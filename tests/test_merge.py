@@ -126,8 +126,8 @@ def member_pairs() -> list[tuple[str, str]]:
     return [(first, second) for first in names for second in names if first != second]
 
 
-@pytest.mark.parametrize(("first", "second"), member_pairs(), ids="+".join)
-def test_every_pair_of_proposers_merges_losslessly(trained_pipeline, first, second):
+@pytest.mark.parametrize(("first", "second"), member_pairs(), ids=[f"{a}+{b}" for a, b in member_pairs()])
+def test_every_pair_of_proposers_merges_losslessly(drafting_pays, trained_pipeline, first, second):
     """Greedy identity for the merge of any two proposers, in both orders, including
     members that draft with the target's own layers (early exit)."""
     pipeline = trained_pipeline.with_components({"name": "merge", "members": [first, second]}, "tree")
