@@ -112,6 +112,14 @@ def load_model(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBa
         if cfg.device_map:
             kwargs["device_map"] = cfg.device_map
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return prepare_model(model, cfg), tokenizer
+
+
+def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+    """Put a freshly built model on the configured device and dtype, frozen in eval
+    mode, with the CPU pass routing and exact mode the configuration asks for."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     model = model.to(dtype)
     if not cfg.device_map:
         model = model.to(device)
@@ -121,7 +129,7 @@ def load_model(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBa
     exact, reason = wants_exact(cfg.exact, device, dtype)
     configure_passes(model, wants_narrow_routing(cfg.narrow_passes, device, dtype), exact)
     announce_exact_mode(model, exact, reason)
-    return model, tokenizer
+    return model
 
 
 def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str) -> None:

@@ -48,16 +48,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from decoders.draft import Draft, follow_tokens
 from decoders.dynamic_tree import DynamicTree
-from decoders.models import ModelConfig, load_model, tiny_draft_model
+from decoders.models import (
+    ModelConfig,
+    load_model,
+    prepare_model,
+    resolve_device,
+    resolve_dtype,
+    tiny_draft_model,
+)
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite, on_vocabulary
 from decoders.session import ModelSession
 from proposers.base import Proposer, draft_token
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+FROM_TARGET_FILE = "from_target.json"  # what a shipped draft takes from its target (train/ship.py)
 
 
 class IncompatibleTokenizerError(ValueError):
@@ -129,7 +139,10 @@ class DraftModelProposer(Proposer):
         if dtype == "auto":
             dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
         device = str(next(target.parameters()).device)
-        model, tokenizer = load_model(ModelConfig(name="hf", name_or_path=path, dtype=dtype, device=device))
+        model_config = ModelConfig(name="hf", name_or_path=path, dtype=dtype, device=device)
+        if (draft_dir / FROM_TARGET_FILE).exists():
+            return load_draft_sharing_target(draft_dir, target, model_config)
+        model, tokenizer = load_model(model_config)
         check_same_tokenizer(self.context.tokenizer, tokenizer, path)
         return model
 
@@ -213,6 +226,40 @@ class DraftModelProposer(Proposer):
         if self.config.tree:
             facts.update(self.tree.describe())
         return facts
+
+
+def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+    """Load a draft stored without what it shares with its target (``python -m train.ship``).
+
+    ``from_target.json`` lists the tensors the draft took unchanged from the target
+    (embeddings, LM head): they are not stored but taken from the loaded target by name,
+    as the same tensors when the dtypes agree, so they cost neither disk nor memory. The
+    tokenizer is the target's too (checked when the draft was shipped)."""
+    shared = json.loads((directory / FROM_TARGET_FILE).read_text())["tensors"]
+    draft = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    missing, unexpected = draft.load_state_dict(load_file(directory / "model.safetensors"), strict=False)
+    dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    draft = draft.to(dtype=dtype, device=next(target.parameters()).device)
+    target_tensors = target.state_dict(keep_vars=True)
+    absent = [name for name in shared if name not in target_tensors]
+    if absent or unexpected:
+        raise ValueError(
+            f"the draft at {directory} does not fit this target: {absent or unexpected} "
+            "(ship it again with `python -m train.ship` for this target)"
+        )
+    for name in shared:
+        tensor = target_tensors[name]
+        if tensor.dtype != dtype:
+            tensor = torch.nn.Parameter(tensor.detach().to(dtype), requires_grad=False)
+        module, _, attr = name.rpartition(".")
+        setattr(draft.get_submodule(module), attr, tensor)
+    if getattr(draft.config, "tie_word_embeddings", False):
+        draft.get_output_embeddings().weight = draft.get_input_embeddings().weight
+    tied = {"lm_head.weight"} if getattr(draft.config, "tie_word_embeddings", False) else set()
+    unfilled = set(missing) - set(shared) - tied
+    if unfilled:
+        raise ValueError(f"the draft at {directory} lacks {sorted(unfilled)}; ship it again with `python -m train.ship`")
+    return prepare_model(draft, cfg)
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:

@@ -7,21 +7,25 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decoders import Pipeline
 from decoders.audit import combined_p_value, exact_distribution, sample_outcomes, sequential_goodness_of_fit
 from decoders.config import to_dataclass
 from decoders.sampling import SamplingConfig
-from proposers.draft_model import DRAFT_VOCAB_FILE
+from decoders.models import ModelConfig
+from proposers.draft_model import DRAFT_VOCAB_FILE, FROM_TARGET_FILE, load_draft_sharing_target
 from tests.test_train import compose_train
 from train.data import DataConfig, self_distilled, split_heldout
 from train.draft_model import META_FILE, build_draft, chosen_layers, distillation_loss, total_variation
 from train.job import run
+from train.ship import ship
 
 TINY_DISTILL = [
     "model=tiny-random",
@@ -151,6 +155,46 @@ def test_losses_are_kl_and_total_variation():
     kl = 0.5 * math.log(0.5 / 0.2) + 0.2 * math.log(0.2 / 0.5)
     torch.testing.assert_close(distillation_loss(draft_logits, target_logits, "kl"), torch.tensor(kl / 2))
     torch.testing.assert_close(distillation_loss(draft_logits, target_logits, "tv"), torch.tensor(0.15))
+
+
+def test_shipped_draft_stores_only_what_differs_from_the_target(distilled, tiny_model, tiny_config, tmp_path):
+    """train.ship stores the distilled draft without the embeddings and head it shares with
+    the target, nor the tokenizer; the proposer takes those from the target (the very
+    tensors) and decodes as the unshipped draft does, losslessly."""
+    target, tokenizer = tiny_model
+    artifact = distilled / "tiny-random-v320-h64-l2-s0" / "draft_model"
+    shipped = tmp_path / "shipped"
+    ship(artifact, shipped, target, tokenizer)
+    stored = load_file(shipped / "model.safetensors")
+    shared = json.loads((shipped / FROM_TARGET_FILE).read_text())["tensors"]
+    assert "model.embed_tokens.weight" in shared and not set(shared) & set(stored)
+    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    assert not any(name.startswith("tokenizer") for name in os.listdir(shipped))
+    assert (shipped / DRAFT_VOCAB_FILE).exists()
+
+    standard = pipeline_over(tiny_model, tiny_config, distilled)
+    from_ship = standard.with_components({"name": "draft_model", "name_or_path": str(shipped)}, "greedy")
+    draft = from_ship.proposer.model
+    assert draft.get_input_embeddings().weight is target.get_input_embeddings().weight
+    layer = "model.layers.0.mlp.up_proj.weight"
+    torch.testing.assert_close(draft.state_dict()[layer], stored[layer].to(torch.float64))
+    accepted = 0
+    for prompt in ["Write a haiku about rain.", "List three primes."]:
+        result = from_ship.generate(prompt, 40)
+        assert result.tokens == standard.generate(prompt, 40).tokens
+        accepted += result.stats.accepted
+    assert accepted > 0
+
+
+def test_a_draft_for_another_target_is_refused(distilled, tiny_model, tmp_path):
+    target, tokenizer = tiny_model
+    shipped = tmp_path / "shipped"
+    ship(distilled / "tiny-random-v320-h64-l2-s0" / "draft_model", shipped, target, tokenizer)
+    record = json.loads((shipped / FROM_TARGET_FILE).read_text())
+    (shipped / FROM_TARGET_FILE).write_text(json.dumps({**record, "tensors": ["model.not_there.weight"]}))
+    config = ModelConfig(name="hf", name_or_path=str(shipped), dtype="float64")
+    with pytest.raises(ValueError, match="does not fit this target"):
+        load_draft_sharing_target(shipped, target, config)
 
 
 def reduced_spec(**options) -> dict:
