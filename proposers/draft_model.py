@@ -258,7 +258,9 @@ def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: Mod
     tied = {"lm_head.weight"} if getattr(draft.config, "tie_word_embeddings", False) else set()
     unfilled = set(missing) - set(shared) - tied
     if unfilled:
-        raise ValueError(f"the draft at {directory} lacks {sorted(unfilled)}; ship it again with `python -m train.ship`")
+        raise ValueError(
+            f"the draft at {directory} lacks {sorted(unfilled)}; ship it again with `python -m train.ship`"
+        )
     return prepare_model(draft, cfg)
 
 

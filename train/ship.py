@@ -86,7 +86,9 @@ def ship(artifact: Path, destination: Path, target: torch.nn.Module | None = Non
             if whole and source.name == "model.safetensors":
                 shared = shared_with_target(tensors, target)
                 tensors = {name: t for name, t in tensors.items() if name not in shared}
-            tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()}
+            tensors = {
+                name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()
+            }
             save_file({name: t.contiguous() for name, t in tensors.items()}, str(destination_file))
         else:
             shutil.copy2(source, destination_file)
