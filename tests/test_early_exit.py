@@ -304,3 +304,24 @@ def test_training_the_exit_brings_it_closer_to_the_target(tmp_path, deep_model, 
         assert pipeline.proposer.kv_reuse == (shallow_lora_layers == 0)
         for prompt, expected in zip(prompts, standard):
             assert pipeline.generate(prompt, 20).tokens == expected
+
+
+def test_a_bfloat16_target_trains_its_exit_in_float32(tmp_path):
+    """The README's command on a CPU with native bf16 (dtype auto = bfloat16): the data
+    comes from the bfloat16 target, the exit trains in float32 instead of being refused."""
+    from hydra import compose, initialize_config_dir
+    from safetensors.torch import load_file
+
+    from proposers.early_exit import EXIT_WEIGHTS
+    from train.job import run
+
+    overrides = [o for o in TINY_EXIT_RECIPE if not o.startswith("model.dtype")] + [
+        "model.dtype=bfloat16",
+        "drafter.epochs=1",
+        f"artifacts_dir={tmp_path}",
+    ]
+    with initialize_config_dir(config_dir=str(Path(REPO_ROOT) / "conf"), version_base="1.3"):
+        output = run(compose("train", overrides=overrides))
+    assert json.loads((output / "training.json").read_text())["trained"]["heldout"]["positions"] > 0
+    weights = load_file(output / EXIT_WEIGHTS)
+    assert weights and all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())

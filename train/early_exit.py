@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from decoders.kernels import configure_passes
 from decoders.layered import LayeredDecoder, run_layers
 from decoders.session import ModelSession
 from proposers.early_exit import ExitHead
@@ -88,12 +89,19 @@ def train(job: TrainJob) -> Path:
     target = job.pipeline.model
     check_config(cfg, target)
     training, heldout = split_heldout(job.sequences(), job.data_config.heldout)
+    evaluation = job.eval_sequences()
+    if next(target.parameters()).dtype not in (torch.float32, torch.float64):
+        # The data came from the target as it runs (bfloat16 by default on CPUs with native
+        # bf16, so the cached generations are reused); the exit trains on a float32 target,
+        # and the trained exit loads into the target in any dtype. Exact mode (CPU bfloat16)
+        # is for verification passes; float32 training uses the ordinary kernels.
+        target = target.float()
+        configure_passes(target, narrow=False, exact=False)
     start_layer = (
         cfg.exit_layer - cfg.shallow_lora_layers
     )  # first trained layer (= exit layer without shallow LoRA)
     examples = exit_examples(target, training, start_layer, keep_context=cfg.shallow_lora_layers > 0)
     heldout_examples = exit_examples(target, heldout, start_layer, keep_context=cfg.shallow_lora_layers > 0)
-    evaluation = job.eval_sequences()
     eval_examples = exit_examples(target, evaluation, start_layer, keep_context=cfg.shallow_lora_layers > 0)
     if job.is_main_process:
         print(f"[train] early_exit layer {cfg.exit_layer}: {sum(len(e.final_hidden) for e in examples)} positions "
@@ -165,12 +173,6 @@ def check_config(cfg: Config, target: nn.Module) -> None:
     if not 0 <= cfg.shallow_lora_layers <= cfg.exit_layer:
         raise ValueError(
             f"drafter.shallow_lora_layers must be in [0, exit_layer={cfg.exit_layer}], got {cfg.shallow_lora_layers}"
-        )
-    dtype = next(target.parameters()).dtype
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"the exit trains in the target's dtype, here {dtype}; add model.dtype=float32 (the trained "
-            "exit then loads into a bfloat16 target too)."
         )
 
 
