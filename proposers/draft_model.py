@@ -1,6 +1,6 @@
 """A separate, smaller causal LM drafts k tokens autoregressively.
 
-The draft keeps its own KV cache (a :class:`~decoders.session.ModelSession`).
+The draft keeps its own KV cache (a :class:`~decoders.models.session.ModelSession`).
 Before each round it is synced with what the target committed: the cache is
 cut back to the longest prefix it shares with the committed tokens (accepted
 draft tokens stay cached; rejected ones are dropped) and only the missing
@@ -10,7 +10,7 @@ When sampling, tokens are drawn from the draft's processed distribution
 (same temperature / top-k / top-p as the target) and returned as draft_probs.
 
 With ``tree=true`` it drafts a dynamic tree instead (EAGLE-2, Li et al. 2024;
-decoders/dynamic_tree.py): ``k`` levels, each one draft forward over the
+decoders/sizing/dynamic_tree.py): ``k`` levels, each one draft forward over the
 ``tree_width`` most probable frontier nodes (the levels share one tree in the
 draft's cache, see ``ModelSession.forward(tree_start=...)``), then the best
 ``tree_budget`` candidates by cumulative log-probability, or with
@@ -49,13 +49,13 @@ from typing import Any
 
 import torch
 
-from decoders.draft import Draft, follow_tokens
-from decoders.dynamic_tree import DynamicTree
-from decoders.models import ModelConfig, load_model, tiny_draft_model
-from decoders.registry import register_proposer
-from decoders.sampling import check_finite, on_vocabulary
-from decoders.session import ModelSession
-from proposers.base import Proposer, draft_token
+from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.proposer import Proposer, draft_token
+from decoders.engine.registry import register_proposer
+from decoders.engine.sampling import check_finite, on_vocabulary
+from decoders.models.loading import ModelConfig, load_model, tiny_draft_model
+from decoders.models.session import ModelSession
+from decoders.sizing.dynamic_tree import DynamicTree
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 

@@ -39,13 +39,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoders.context import artifact_source
-from decoders.draft import Draft
-from decoders.layered import LayeredDecoder, check_layered_equivalence
-from decoders.registry import register_proposer
-from decoders.sampling import check_finite
-from decoders.session import ModelSession
-from proposers.base import Proposer, draft_token
+from decoders.engine.context import artifact_source
+from decoders.engine.draft import Draft
+from decoders.engine.proposer import Proposer, draft_token
+from decoders.engine.registry import register_proposer
+from decoders.engine.sampling import check_finite
+from decoders.models.layered import LayeredDecoder, check_layered_equivalence
+from decoders.models.session import ModelSession
 
 EXIT_WEIGHTS = "exit.safetensors"
 EXIT_CONFIG = "exit_config.json"

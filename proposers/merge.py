@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from decoders.draft import Acceptance, Draft, follow_tokens
-from decoders.registry import build, proposer_registry, register_proposer
-from proposers.base import Proposer
+from decoders.engine.draft import Acceptance, Draft, follow_tokens
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import build, proposer_registry, register_proposer
 
 
 @register_proposer("merge")

@@ -14,9 +14,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decoders import Pipeline
-from decoders.audit import combined_p_value, exact_distribution, sample_outcomes, sequential_goodness_of_fit
-from decoders.config import to_dataclass
-from decoders.sampling import SamplingConfig
+from decoders.cli.config import to_dataclass
+from decoders.engine.sampling import SamplingConfig
+from decoders.evaluation.audit import sample_outcomes
+from decoders.evaluation.audit_statistics import (
+    combined_p_value,
+    exact_distribution,
+    sequential_goodness_of_fit,
+)
 from proposers.draft_model import DRAFT_VOCAB_FILE
 from tests.test_train import compose_train
 from train.data import DataConfig, self_distilled, split_heldout

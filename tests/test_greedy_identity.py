@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoders.registry import proposer_registry, verifier_registry
+from decoders.engine.registry import proposer_registry, verifier_registry
 from tests.conftest import random_prompts
 
 

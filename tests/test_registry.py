@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from decoders.draft import Draft
-from decoders.registry import (
+from decoders.engine.draft import Draft
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import (
     RegistryError,
     build,
     import_plugins,
@@ -18,7 +19,6 @@ from decoders.registry import (
     register_proposer,
     verifier_registry,
 )
-from proposers.base import Proposer
 
 
 def test_builtins_are_registered():
@@ -81,7 +81,7 @@ def test_plugins_are_imported_from_argv(tmp_path, monkeypatch):
             """
             from dataclasses import dataclass
             from decoders import Draft, register_proposer
-            from proposers.base import Proposer
+            from decoders.engine.proposer import Proposer
 
             @register_proposer("argv_plugin")
             class ArgvPlugin(Proposer):

@@ -27,18 +27,18 @@ from hypothesis import strategies as st
 
 import verifiers.rejection as rejection
 from decoders import Pipeline
-from decoders.audit import (
+from decoders.engine.draft import Draft
+from decoders.engine.registry import proposer_registry
+from decoders.engine.sampling import NonFiniteLogitsError, SamplingConfig, processed_probs, sample
+from decoders.engine.state import DecodeState
+from decoders.evaluation.audit import sample_outcomes
+from decoders.evaluation.audit_statistics import (
     combined_p_value,
     exact_distribution,
     goodness_of_fit,
-    sample_outcomes,
     sequential_goodness_of_fit,
 )
-from decoders.decoding import DecodeState
-from decoders.draft import Draft
-from decoders.models import ModelConfig, load_model
-from decoders.registry import proposer_registry
-from decoders.sampling import NonFiniteLogitsError, SamplingConfig, processed_probs, sample
+from decoders.models.loading import ModelConfig, load_model
 from verifiers.greedy import greedy_walk
 from verifiers.rejection import RejectionVerifier, point_mass, residual_distribution
 

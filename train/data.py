@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from decoders.pipeline import Pipeline
-from decoders.sampling import SamplingConfig
+from decoders.engine.pipeline import Pipeline
+from decoders.engine.sampling import SamplingConfig
 from train import prompts as builtin
 from train.generation import Generation, GenerationSettings, GenerationStore, Request, generate_all
 from train.processes import process_state
@@ -129,7 +129,7 @@ def eval_sequences(
 ) -> list[Sequence]:
     """The target's responses to a benchmark-style prompt file (Spec-Bench format),
     to measure drafters on prompts unlike the training ones; never trained on."""
-    from decoders.workloads import WorkloadConfig, load_workload
+    from decoders.evaluation.workloads import WorkloadConfig, load_workload
 
     responses = _store(pipeline, data_root, "responses", cfg.max_new_tokens, cfg.response_temperature, cfg)
     workload = load_workload(WorkloadConfig(name="eval", path=path, limit=limit))

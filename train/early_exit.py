@@ -40,8 +40,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decoders.layered import LayeredDecoder, run_layers
-from decoders.session import ModelSession
+from decoders.models.layered import LayeredDecoder, run_layers
+from decoders.models.session import ModelSession
 from proposers.early_exit import ExitHead
 from train import checkpoints
 from train.data import Sequence, split_heldout

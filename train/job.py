@@ -27,9 +27,9 @@ from types import ModuleType
 from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 
-from decoders.config import model_config, to_dataclass
-from decoders.models import ModelConfig, load_model
-from decoders.pipeline import Pipeline
+from decoders.cli.config import model_config, to_dataclass
+from decoders.engine.pipeline import Pipeline
+from decoders.models.loading import ModelConfig, load_model
 from train.data import DataConfig, Sequence, eval_sequences, self_distilled
 from train.loop import RunLogger, ScaleConfig
 from train.processes import process_state

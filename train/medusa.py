@@ -36,9 +36,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decoders.session import ModelSession
+from decoders.models.session import ModelSession
 from proposers.copy_attention import mixture
-from proposers.medusa import CONFIG_FILE, LORA_TARGETS, MedusaHeads, best_tree, load_artifact, save_artifact
+from proposers.medusa.artifact import CONFIG_FILE, load_artifact, save_artifact
+from proposers.medusa.heads import LORA_TARGETS, MedusaHeads
+from proposers.medusa.proposer import best_tree
 from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob

@@ -3,7 +3,7 @@
     python -m train.ship artifacts/smollm2-135m/medusa artifacts/smollm2-135m/early_exit
 
 Each artifact directory lands under ``proposers/shipped/<target>/<drafter>``,
-where :meth:`decoders.context.PipelineContext.artifact_path` finds it when the
+where :meth:`decoders.engine.context.PipelineContext.artifact_path` finds it when the
 user's artifacts dir has none. Training already stores only what differs from
 the target (heads, adapters, exits; never the target's layers, embeddings or
 LM head); shipping also stores floating-point tensors in bfloat16 (proposers
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoders.context import SHIPPED_ARTIFACTS
+from decoders.engine.context import SHIPPED_ARTIFACTS
 
 LEFT_OUT = {"checkpoint", "README.md"}  # resumption state (a folder); PEFT's generated model card
 

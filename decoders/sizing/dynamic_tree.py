@@ -21,7 +21,7 @@ model, Medusa heads step their sequential state):
 
         (1 + sum of the n best estimates) / (T(n + 1) + D)
 
-    with T the target's pass cost curve (decoders/cost.py) and D the drafting
+    with T the target's pass cost curve (decoders/models/cost.py) and D the drafting
     seconds per round measured so far. A node never outranks its parent (a
     product of factors <= 1, ties broken by depth), so any best-n set is a tree.
     Growth also stops early, at the level whose frontier is too unlikely to be
@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from decoders.cost import CostCurve
-from decoders.draft import Draft
-from decoders.sampling import check_finite
+from decoders.engine.draft import Draft
+from decoders.engine.sampling import check_finite
+from decoders.models.cost import CostCurve
 
 # expand(frontier, rows, parents, depth) -> (len(frontier), n) logits of the children of the
 # frontier nodes (all at ``depth``); rows/parents describe every candidate grown so far (rows

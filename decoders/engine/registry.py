@@ -6,6 +6,13 @@ that dataclass in Hydra's ConfigStore under the registry's config group, so
 ``proposer=mine proposer.k=3`` is composed and type-checked by Hydra like any
 built-in choice.
 
+Built-ins are known by name only (``BUILTIN_PROPOSERS``, ``BUILTIN_VERIFIERS``:
+name -> ``"module:Class"``) and imported the first time they are looked up, so the
+engine never imports a plugin package: ``proposers`` and ``verifiers`` depend on
+the engine, never the reverse. Listing a registry names the built-ins without
+importing them. Hydra needs every choice's Config stored before it composes, so
+the command-line layer (:mod:`decoders.cli.config`) calls :func:`load_builtins`.
+
 Third-party packages register through the entry-point groups
 ``specdec.proposers`` and ``specdec.verifiers`` (each entry point names a module
 to import); a user's own modules are imported through the ``plugins`` config
@@ -34,10 +41,13 @@ class RegistryError(KeyError):
 class Registry(Generic[T]):
     """A named collection of classes with a decorator for registration."""
 
-    def __init__(self, kind: str, group: str, entry_point_group: str) -> None:
+    def __init__(
+        self, kind: str, group: str, entry_point_group: str, builtins: dict[str, str] | None = None
+    ) -> None:
         self.kind = kind
         self.group = group
         self.entry_point_group = entry_point_group
+        self.builtins = dict(builtins or {})  # name -> "module:Class", imported on first lookup
         self._classes: dict[str, type[T]] = {}
         self._entry_points_loaded = False
 
@@ -50,6 +60,11 @@ class Registry(Generic[T]):
                 raise ValueError(
                     f"{self.kind} name {name!r} is already registered by "
                     f"{existing.__module__}.{existing.__qualname__}; pick another name."
+                )
+            builtin = self.builtins.get(name)
+            if builtin is not None and builtin != f"{cls.__module__}:{cls.__qualname__}":
+                raise ValueError(
+                    f"{self.kind} name {name!r} is already registered by the built-in {builtin}; pick another name."
                 )
             config_cls = getattr(cls, "Config", None)
             if config_cls is None or not dataclasses.is_dataclass(config_cls):
@@ -66,6 +81,8 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> type[T]:
         self.load_entry_points()
+        if name not in self._classes and name in self.builtins:
+            self._import_builtin(name)
         try:
             return self._classes[name]
         except KeyError:
@@ -77,12 +94,26 @@ class Registry(Generic[T]):
             ) from None
 
     def names(self) -> list[str]:
+        """Every registered name, built-ins included (without importing them)."""
         self.load_entry_points()
-        return sorted(self._classes)
+        return sorted(set(self._classes) | set(self.builtins))
 
     def __contains__(self, name: str) -> bool:
         self.load_entry_points()
-        return name in self._classes
+        return name in self._classes or name in self.builtins
+
+    def load_builtins(self) -> None:
+        """Import every built-in (their decorators register them and store their Configs)."""
+        for name in self.builtins:
+            if name not in self._classes:
+                self._import_builtin(name)
+
+    def _import_builtin(self, name: str) -> None:
+        module, _, qualname = self.builtins[name].partition(":")
+        importlib.import_module(module)  # its @register_* decorator registers the class
+        registered = self._classes.get(name)
+        if registered is None or registered.__qualname__ != qualname:
+            raise RuntimeError(f"built-in {self.kind} {name!r}: {module} did not register {qualname}")
 
     def load_entry_points(self) -> None:
         """Import every module advertised under this registry's entry-point group."""
@@ -164,8 +195,30 @@ def import_plugins_from_argv(argv: list[str] | None = None) -> None:
         import_plugins(m.strip().strip("'\"") for m in value.split(",") if m.strip())
 
 
-proposer_registry: Registry[Any] = Registry("proposer", "proposer", "specdec.proposers")
-verifier_registry: Registry[Any] = Registry("verifier", "verifier", "specdec.verifiers")
+BUILTIN_PROPOSERS = {
+    "draft_model": "proposers.draft_model:DraftModelProposer",
+    "early_exit": "proposers.early_exit:EarlyExitProposer",
+    "medusa": "proposers.medusa.proposer:MedusaProposer",
+    "merge": "proposers.merge:MergeProposer",
+    "ngram": "proposers.ngram:NgramProposer",
+    "suffix": "proposers.suffix:SuffixProposer",
+}
+BUILTIN_VERIFIERS = {
+    "greedy": "verifiers.greedy:GreedyVerifier",
+    "rejection": "verifiers.rejection:RejectionVerifier",
+    "tree": "verifiers.tree:TreeVerifier",
+    "typical": "verifiers.typical:TypicalVerifier",
+}
+
+proposer_registry: Registry[Any] = Registry("proposer", "proposer", "specdec.proposers", BUILTIN_PROPOSERS)
+verifier_registry: Registry[Any] = Registry("verifier", "verifier", "specdec.verifiers", BUILTIN_VERIFIERS)
+
+
+def load_builtins() -> None:
+    """Import every built-in proposer and verifier (the command line needs all their
+    Configs in Hydra's ConfigStore before it composes)."""
+    proposer_registry.load_builtins()
+    verifier_registry.load_builtins()
 
 
 def register_proposer(name: str) -> Callable[[type[T]], type[T]]:

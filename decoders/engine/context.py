@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoders.cost import CostCurve, cached_cost_curve
-from decoders.models import ModelConfig, cache_dir
+from decoders.models.cost import CostCurve, cached_cost_curve
+from decoders.models.loading import ModelConfig, cache_dir
 
 # Trained drafters of the default target, shipped as package data (only what differs
 # from the target is stored); a user's own artifact of the same drafter wins.
-SHIPPED_ARTIFACTS = Path(__file__).resolve().parent.parent / "proposers" / "shipped"
+SHIPPED_ARTIFACTS = Path(__file__).resolve().parents[2] / "proposers" / "shipped"
 
 
 @dataclass

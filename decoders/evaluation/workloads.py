@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from decoders.cli.config import to_dataclass
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "default_prompts.jsonl"
 # The project's own repetitive workload: four families of ten requests sharing structure
@@ -88,3 +91,8 @@ def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
     if not selected:
         raise ValueError(f"workload {path} has no prompts")
     return selected
+
+
+def workload_config(cfg: Any) -> WorkloadConfig:
+    """The composed config's ``workload`` section as a WorkloadConfig."""
+    return to_dataclass(WorkloadConfig, cfg.workload, "workload")

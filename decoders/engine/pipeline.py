@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoders.context import PipelineContext
-from decoders.cost import CostCurve
-from decoders.decoding import GenerationStats, StopConditions, decode
-from decoders.models import ModelConfig, load_model
-from decoders.registry import build, proposer_registry, verifier_registry
-from decoders.sampling import SamplingConfig
-from decoders.session import ModelSession
-from proposers.base import Proposer
-from verifiers.base import Verifier
+from decoders.engine.context import PipelineContext
+from decoders.engine.decoding import GenerationStats, StopConditions, decode, default_verifier
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import build, proposer_registry, verifier_registry
+from decoders.engine.sampling import SamplingConfig
+from decoders.engine.verifier import Verifier
+from decoders.models.cost import CostCurve
+from decoders.models.loading import ModelConfig, load_model
+from decoders.models.session import ModelSession
 
 ComponentSpec = str | dict | Any  # a registered name, a config mapping (with `name`), or an instance
 
@@ -63,7 +63,7 @@ class Pipeline:
         )
         self.proposer: Proposer | None = self._component(proposer, proposer_registry, Proposer)
         if verifier is None and self.proposer is not None:
-            verifier = "greedy" if self.sampling.greedy else "rejection"
+            verifier = default_verifier(self.sampling)
         self.verifier: Verifier | None = self._component(verifier, verifier_registry, Verifier)
         if self.verifier is not None:
             self.verifier.check(self.sampling)

@@ -1,7 +1,7 @@
 """The Proposer contract: who guesses the next tokens.
 
 A proposer is built once per pipeline from its ``Config`` and a
-:class:`~decoders.context.PipelineContext` (target model, tokenizer, model
+:class:`~decoders.engine.context.PipelineContext` (target model, tokenizer, model
 config), then serves one request at a time:
 
     begin(state)      a new request starts (prompt known, nothing generated)
@@ -10,7 +10,7 @@ config), then serves one request at a time:
                       the verifier's decision; sync any private state
     finish(state)     the request is done (its tokens are final)
 
-``state`` is the :class:`~decoders.decoding.DecodeState` of the request. A
+``state`` is the :class:`~decoders.engine.state.DecodeState` of the request. A
 proposer decides its draft's shape from its own config, never from the verifier.
 """
 
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from decoders.draft import Acceptance, Draft
-from decoders.sampling import processed_probs, sample
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.sampling import processed_probs, sample
 
 if TYPE_CHECKING:
-    from decoders.context import PipelineContext
-    from decoders.decoding import DecodeState
-    from decoders.session import ModelSession
+    from decoders.engine.context import PipelineContext
+    from decoders.engine.state import DecodeState
+    from decoders.models.session import ModelSession
 
 
 class Proposer:

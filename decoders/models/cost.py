@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from decoders.kernels import exact_passes
-from decoders.session import ModelSession
+from decoders.models.kernels import exact_passes
+from decoders.models.session import ModelSession
 
 DEFAULT_SIZES = (
     1,

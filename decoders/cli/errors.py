@@ -19,8 +19,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from decoders.layered import UnsupportedArchitectureError
-from decoders.registry import RegistryError
+from decoders.engine.registry import RegistryError
+from decoders.models.layered import UnsupportedArchitectureError
 
 USER_ERRORS = (ValueError, FileNotFoundError, RegistryError, UnsupportedArchitectureError)
 USAGE_STATUS = 2

@@ -18,7 +18,7 @@ the speculative loop, transformers' ``generate`` in the peers) gets it.
 
 Exact mode (:func:`configure_passes` with ``exact``; ``model.exact``) routes every
 pass, single rows included, so that a row's product does not depend on how many
-rows share it, and switches attention to :mod:`decoders.exact_attention`.
+rows share it, and switches attention to :mod:`decoders.models.exact_attention`.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def use_packed_gqa_attention(model: torch.nn.Module) -> bool:
 # Exact mode makes every pass batch-invariant: a row's logits do not depend on how
 # many tokens share its pass, so greedy speculative decoding gives standard
 # decoding's output bit for bit, not only up to floating-point ties. The linears
-# take the exact route above, attention takes decoders.exact_attention.
+# take the exact route above, attention takes decoders.models.exact_attention.
 
 
 def wants_exact(setting: str | bool, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
@@ -241,7 +241,7 @@ def wants_exact(setting: str | bool, device: torch.device, dtype: torch.dtype) -
 def configure_passes(model: torch.nn.Module, narrow: bool, exact: bool) -> None:
     """Route ``model``'s linears and attention: the narrow route, exact mode, both
     or neither. Can be called again to switch (the benchmark's exact-off twins)."""
-    from decoders.exact_attention import use_exact_attention
+    from decoders.models.exact_attention import use_exact_attention
 
     config = model.config
     base = model.__dict__.setdefault("_specdec_base_attention", config._attn_implementation)
@@ -258,7 +258,7 @@ def configure_passes(model: torch.nn.Module, narrow: bool, exact: bool) -> None:
 
 def exact_passes(model: torch.nn.Module) -> bool:
     """Whether ``model`` runs in exact mode (:func:`configure_passes`)."""
-    from decoders.exact_attention import ATTENTION_NAME
+    from decoders.models.exact_attention import ATTENTION_NAME
 
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
 

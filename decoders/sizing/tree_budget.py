@@ -4,7 +4,7 @@ A bigger tree accepts more tokens per round but widens the target's pass. With
 
     E(n)    expected tokens emitted per round by the best n-node tree (bonus included),
     T(n+1)  seconds of the target's pass over the pending token and n nodes
-            (the cached cost curve of decoders/cost.py),
+            (the cached cost curve of decoders/models/cost.py),
     D       seconds the proposer spends drafting per round (measured),
 
 the budget is the n that maximises E(n) / (T(n + 1) + D), the expected tokens per second.
@@ -21,7 +21,7 @@ Used by static trees (``proposer=medusa proposer.tree=auto proposer.tree_budget=
 the proposer starts with its full tree (to measure every depth and rank), then
 re-chooses the budget every ``every`` rounds from what it has measured. Dynamic
 trees, whose shape changes every round, size each round instead
-(decoders/dynamic_tree.py).
+(decoders/sizing/dynamic_tree.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decoders.cost import CostCurve
-from decoders.draft import Draft
+from decoders.engine.draft import Draft
+from decoders.models.cost import CostCurve
 
 
 @dataclass

@@ -21,7 +21,7 @@ Chunks wholly inside the prefix are shared by all rows of the pass; only the
 last one or two (from the prefix's last chunk boundary on) are gathered per
 row, so a tree costs one small gather, not a copy of the prefix per node.
 What this relies on, measured on the CPU kernels (MKL float32/float64, oneDNN
-bfloat16) and re-checked at load time by :mod:`decoders.invariance`: a matmul
+bfloat16) and re-checked at load time by :mod:`decoders.models.invariance`: a matmul
 row's bits do not depend on the batch size or on how many other rows share it
 (in float32 and float64 once there are at least ``MKL_MIN_ROWS``; products of
 fewer are padded with zero rows), and reductions over a fixed length, or

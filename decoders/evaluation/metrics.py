@@ -7,7 +7,7 @@
     identical_outputs     share of prompts whose greedy output equals standard's
 
 and the physical limit of a speculative pipeline, from the target's pass cost
-curve T(n) (decoders/cost.py):
+curve T(n) (decoders/models/cost.py):
 
     ideal_speedup         tau * T(1) / (T(mean draft size + 1) + draft seconds per round)
     efficiency            speedup / ideal_speedup
@@ -161,6 +161,17 @@ def physical_limit(records: list[Record], pass_seconds: Callable[[float], float]
         "mean_draft_size": mean_draft_size,
         "draft_seconds_per_round": draft_seconds,
     }
+
+
+@dataclass
+class Divergence:
+    """Where a greedy pipeline first left standard decoding on one prompt."""
+
+    prompt: str
+    position: int  # index among the generated tokens
+    standard_token: int | None  # None: that output had already ended
+    pipeline_token: int | None
+    logit_gap: float | None  # target logit of standard's token minus the pipeline's
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:

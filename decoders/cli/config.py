@@ -12,13 +12,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoders.models import ModelConfig
-from decoders.registry import import_plugins
-from decoders.sampling import SamplingConfig
-from decoders.workloads import WorkloadConfig
+from decoders.engine.registry import import_plugins, load_builtins
+from decoders.engine.sampling import SamplingConfig
+from decoders.models.loading import ModelConfig
+
+# Hydra validates `proposer=NAME` against the Configs in its ConfigStore while it
+# composes, so every built-in is imported (and its Config stored) before any entry
+# point composes; the engine alone imports none of them.
+load_builtins()
 
 # Absolute, so the Hydra entry points also find it when imported and called in-process (tests).
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def to_dataclass(cls: type, node: Any, what: str) -> Any:
@@ -37,10 +41,6 @@ def model_config(cfg: DictConfig) -> ModelConfig:
 
 def sampling_config(cfg: DictConfig) -> SamplingConfig:
     return to_dataclass(SamplingConfig, cfg.sampling, "sampling")
-
-
-def workload_config(cfg: DictConfig) -> WorkloadConfig:
-    return to_dataclass(WorkloadConfig, cfg.workload, "workload")
 
 
 def component(cfg: DictConfig, key: str) -> dict | None:

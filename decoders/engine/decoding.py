@@ -18,13 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from decoders.draft import Acceptance, Draft
-from decoders.sampling import SamplingConfig, check_finite, next_token
-from decoders.session import ModelSession
-from proposers.base import Proposer
-from verifiers.base import Verifier
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import build, verifier_registry
+from decoders.engine.sampling import SamplingConfig, check_finite, next_token
+from decoders.engine.state import DecodeState
+from decoders.engine.verifier import Verifier
+from decoders.models.session import ModelSession
 
 
 @dataclass
@@ -72,40 +72,6 @@ class GenerationStats:
 
 
 @dataclass
-class DecodeState:
-    """What a proposer sees of a request in progress."""
-
-    tokens: list[int]  # prompt + generated tokens; the last one is the pending token
-    prompt_len: int
-    sampling: SamplingConfig
-    generator: torch.Generator
-    target: ModelSession
-    hidden_row: int = -1  # row of target.hidden that produced the pending token
-    # rows of target.hidden at the positions the last pass committed (None: all, as after
-    # the prefill); they are the positions just before the pending token, in order
-    committed_rows: list[int] | None = None
-
-    @property
-    def last_hidden(self) -> torch.Tensor:
-        """(hidden,) the target's final hidden state that predicted the pending token."""
-        assert self.target.hidden is not None
-        return self.target.hidden[self.hidden_row]
-
-    @property
-    def committed_hidden(self) -> torch.Tensor:
-        """(c, hidden) the target's final hidden states at the positions the last pass
-        committed: the prompt after the prefill, then the pending token of the round
-        and the accepted draft tokens (positions len(tokens) - 1 - c .. len(tokens) - 2)."""
-        assert self.target.hidden is not None
-        rows = self.committed_rows
-        return self.target.hidden if rows is None else self.target.hidden[rows]
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-
-@dataclass
 class StopConditions:
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
@@ -144,15 +110,16 @@ class GenerationOutput:
     stats: GenerationStats
 
 
+def default_verifier(sampling: SamplingConfig) -> str:
+    """The verifier used where none is configured, the one place it is chosen:
+    greedy at temperature 0, rejection sampling otherwise (both lossless)."""
+    return "greedy" if sampling.greedy else "rejection"
+
+
 def standard_verifier(sampling: SamplingConfig) -> Verifier:
     """The verifier standard decoding uses on its empty drafts: it just picks the
     target's token (argmax, or a sample from the processed distribution)."""
-    from verifiers.greedy import GreedyVerifier
-    from verifiers.rejection import RejectionVerifier
-
-    if sampling.greedy:
-        return GreedyVerifier(GreedyVerifier.Config())
-    return RejectionVerifier(RejectionVerifier.Config())
+    return build(verifier_registry, default_verifier(sampling))
 
 
 def decode(

@@ -7,7 +7,7 @@ token before it is accepted too. With
     a(key, d)  the measured share of depth-d tokens accepted when tried (all
                tokens before them accepted), per situation ``key`` (for prompt
                lookup: the length of the matched suffix),
-    T(m)       the target's pass seconds over m tokens (decoders/cost.py),
+    T(m)       the target's pass seconds over m tokens (decoders/models/cost.py),
     c          the proposer's drafting seconds per token,
 
 a draft of L tokens emits on average E(L) = 1 + sum_{d<=L} prod_{j<=d} a(key, j)
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Hashable
 
-from decoders.cost import CostCurve
+from decoders.models.cost import CostCurve
 
 
 class DraftLengthPolicy:

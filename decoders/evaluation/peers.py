@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from decoders.sampling import SamplingConfig
+from decoders.engine.sampling import SamplingConfig
 
 PEER_COUNTERPART = {
     "hf_generate": None,

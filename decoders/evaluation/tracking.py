@@ -23,6 +23,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from decoders.evaluation.metrics import Divergence
+
 SUMMARY_KEYS = (
     "tokens_per_s",
     "speedup",
@@ -139,3 +141,45 @@ def record_rows(payload: dict) -> list[list[Any]]:
             values["mean_accepted_tokens"] = tau
             rows.append([values.get(column) for column in RECORD_COLUMNS])
     return rows
+
+
+def log_audit(cfg: DictConfig, payload: dict) -> None:
+    """Record the audit's headline figures as a W&B run (logger.mode=disabled: nothing)."""
+    logger = cfg.logger
+    if logger.mode == "disabled":
+        return
+    try:
+        import wandb
+
+        Path(logger.dir).mkdir(parents=True, exist_ok=True)
+        run = wandb.init(
+            mode=logger.mode, project=logger.project, entity=logger.entity,
+            group=logger.group or sweep_group(), name=run_name(), tags=list(logger.tags or []),
+            dir=str(logger.dir), job_type="audit", config=payload["config"],
+            reinit="finish_previous", settings=wandb.Settings(console="off"),
+        )  # fmt: skip
+        try:
+            keys = (
+                "passed",
+                "greedy_identical",
+                "bit_identical",
+                "sampling_p_value",
+                "pipeline_samples",
+                "standard_samples",
+            )
+            run.summary.update({key: payload[key] for key in keys if payload[key] is not None})
+            columns = list(Divergence.__dataclass_fields__)
+            run.log(
+                {
+                    "divergences": wandb.Table(
+                        columns=columns, data=[list(d.values()) for d in payload["divergences"]]
+                    )
+                }
+            )
+        finally:
+            run.finish()
+    except Exception as error:  # noqa: BLE001 - tracking must never lose a finished audit
+        print(
+            f"[audit] W&B logging failed ({type(error).__name__}: {error}); use logger=disabled to skip W&B.",
+            file=sys.stderr,
+        )
