@@ -52,10 +52,11 @@ import torch
 from decoders.engine.draft import Draft, follow_tokens
 from decoders.engine.proposer import Proposer, draft_token
 from decoders.engine.registry import register_proposer
-from decoders.engine.sampling import check_finite, on_vocabulary
+from decoders.engine.sampling import check_finite
 from decoders.models.loading import ModelConfig, load_model, tiny_draft_model
 from decoders.models.session import ModelSession
 from decoders.sizing.dynamic_tree import DynamicTree
+from proposers.vocabulary import ReducedVocabulary
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -231,16 +232,12 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> 
         )
 
 
-class DraftVocabulary:
-    """The draft's reduced output vocabulary: full-vocabulary ids of the tokens it scores.
+class DraftVocabulary(ReducedVocabulary):
+    """The draft's reduced output vocabulary, as stored with a draft.
 
     Stored as ``draft_vocab.json`` with a draft: ``token_ids`` ranked most frequent
     first in the target's own outputs, and their ``counts``; the first N are used.
     """
-
-    def __init__(self, token_ids: torch.Tensor, full_size: int) -> None:
-        self.token_ids = token_ids  # (N,) long, full-vocabulary ids
-        self.full_size = full_size  # size of the full vocabulary
 
     @classmethod
     def load(cls, draft_dir: Path | None, size: int) -> DraftVocabulary:
@@ -259,27 +256,6 @@ class DraftVocabulary:
                 "(those the target output while generating the training data); choose 1 to that many."
             )
         return cls(torch.tensor(ranked["token_ids"][:size], dtype=torch.long), ranked["full_vocab_size"])
-
-    def head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
-        """A head scoring only these tokens: ``lm_head``'s rows for them, sliced once."""
-        weight = lm_head.weight
-        reduced = torch.nn.Linear(
-            lm_head.in_features,
-            len(self.token_ids),
-            bias=lm_head.bias is not None,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        rows = self.token_ids.to(weight.device)
-        with torch.no_grad():
-            reduced.weight.copy_(weight[rows])  # (N, hidden)
-            if lm_head.bias is not None:
-                reduced.bias.copy_(lm_head.bias[rows])
-        return reduced.requires_grad_(False)
-
-    def full_row(self, probs: torch.Tensor) -> torch.Tensor:
-        """(..., N) probabilities over these tokens as (..., full vocab) rows, 0 elsewhere."""
-        return on_vocabulary(probs, self.token_ids, self.full_size)
 
 
 def save_draft_vocab(directory: Path, token_counts: torch.Tensor) -> None:

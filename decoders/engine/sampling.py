@@ -91,13 +91,3 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     if sampling.greedy:
         return int(logits.argmax())
     return int(sample(processed_probs(logits, sampling), generator))
-
-
-def on_vocabulary(probs: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """(..., N) probabilities of the tokens ``token_ids`` (N,) -> (..., vocab_size) rows,
-    0 elsewhere: a reduced-vocabulary drafter's q rows as verifiers read them. ``None``:
-    the rows already cover the vocabulary."""
-    if token_ids is None:
-        return probs
-    full = probs.new_zeros(*probs.shape[:-1], vocab_size)
-    return full.index_copy_(-1, token_ids.to(probs.device), probs)

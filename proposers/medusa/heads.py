@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from proposers.copy_attention import ContextMemory, CopyAttention, mixture
+from proposers.vocabulary import ReducedVocabulary
 
 LORA_TARGETS = r"lm_heads\.\d+"  # PEFT target_modules: every head's lm projection
 
@@ -100,7 +101,7 @@ class MedusaHeads(nn.Module):
         self.vocab_size, hidden_size = lm_head.weight.shape
         # (n,) token id of each output row; None = all tokens
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(lm_head.weight.device)
-        base = _vocab_projection(lm_head, draft_vocab)
+        base = lm_head if draft_vocab is None else ReducedVocabulary(draft_vocab, self.vocab_size).head(lm_head)
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
         self.lm_heads = nn.ModuleList(_shared(base) for _ in range(num_heads))
         self.sequential = embeddings is not None
@@ -305,18 +306,6 @@ class DraftProjection:
         full = logits.new_full((len(logits), self.vocab_size), torch.finfo(logits.dtype).min)  # (B, vocab)
         full[:, self.draft_vocab] = logits
         return full
-
-
-def _vocab_projection(lm_head: nn.Linear, draft_vocab: torch.Tensor | None) -> nn.Linear:
-    """A frozen Linear: ``lm_head`` itself, or a new one holding its rows for ``draft_vocab``."""
-    if draft_vocab is None:
-        return lm_head
-    rows = draft_vocab.to(lm_head.weight.device)
-    projection = nn.Linear(lm_head.in_features, len(rows), bias=lm_head.bias is not None, device="meta")
-    projection.weight = nn.Parameter(lm_head.weight.detach()[rows].clone(), requires_grad=False)
-    if lm_head.bias is not None:
-        projection.bias = nn.Parameter(lm_head.bias.detach()[rows].clone(), requires_grad=False)
-    return projection
 
 
 def _shared(base: nn.Linear) -> nn.Linear:

@@ -39,7 +39,7 @@ from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, follow_tokens
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import register_proposer
-from decoders.engine.sampling import check_finite, on_vocabulary, processed_probs, sample
+from decoders.engine.sampling import check_finite, processed_probs, sample
 from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
 from decoders.sizing.draft_length import DraftLengthPolicy, confidence_bucket
 from decoders.sizing.dynamic_tree import DynamicTree
@@ -47,6 +47,7 @@ from decoders.sizing.tree_budget import AcceptanceProfile, BudgetTuner
 from proposers.copy_attention import ContextMemory
 from proposers.medusa.artifact import CONFIG_FILE, load_artifact, train_command
 from proposers.medusa.heads import MedusaHeads
+from proposers.vocabulary import on_vocabulary
 
 # ---------------------------------------------------------------- trees
 
