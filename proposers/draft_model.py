@@ -84,14 +84,11 @@ class DraftModelProposer(Proposer):
         vocab_size: int | None = None
         min_confidence: float = 0.0  # end a chain draft at a token the draft gives less probability (0 = off)
 
-    sampled = True
-
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         if config.k < 1:
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
         self.tree = DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
-        self.sampled = not config.tree  # tree drafts are deterministic (see the module docstring)
         draft_dir = self._draft_dir()
         self.model = self._load_draft(draft_dir)
         self.session = ModelSession(self.model)
@@ -103,6 +100,10 @@ class DraftModelProposer(Proposer):
         self._fed_parents: list[int] = []  # tree structure of the drafted entries cached after them
         self._last_tree: Draft | None = None
         self._draft_seconds = 0.0
+
+    @property
+    def sampled(self) -> bool:
+        return not self.config.tree  # tree drafts are deterministic (see the module docstring)
 
     def _draft_dir(self) -> Path | None:
         """The draft's directory or hub id: ``name_or_path``, else the distilled draft under

@@ -178,8 +178,6 @@ class EarlyExitProposer(Proposer):
         adapter_path: str | None = None  # a trained exit's directory (implies trained)
         min_confidence: float = 0.0  # end the draft at a token the exit gives less probability (0 = off)
 
-    sampled = True
-
     def __init__(self, config: Config, context) -> None:
         target = context.target
         num_layers = target.config.num_hidden_layers
@@ -206,6 +204,11 @@ class EarlyExitProposer(Proposer):
             )
         self.layered: LayeredDecoder | None = None
         self._round: _DraftRound | None = None
+
+
+    @property
+    def sampled(self) -> bool:
+        return True  # chains are drawn from the exit's processed distribution
 
     def _load_exit(self) -> ExitHead:
         target = self.context.target

@@ -36,8 +36,6 @@ class NgramProposer(Proposer):
         branches: int = 1  # continuations from distinct earlier occurrences (1 = chain)
         adaptive: bool = True  # cut drafts to the length that pays (measured acceptance vs pass cost)
 
-    sampled = False
-
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         if config.k < 1:

@@ -81,8 +81,6 @@ class SuffixProposer(Proposer):
         memory_path: str | None = None  # JSON file the memory is loaded from and saved to after each request
         explore_every: int = 16  # rounds switched off (no draft) between two one-node probes
 
-    sampled = False
-
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         for name in ("k", "max_nodes", "max_match", "explore_every"):

@@ -37,16 +37,17 @@ class Proposer:
     class Config:
         pass
 
-    #: True if, when sampling, tokens are drawn from the returned draft_probs;
-    #: False if they are chosen deterministically (draft_probs is None).
-    sampled: ClassVar[bool] = False
-    #: True if the proposer reads ``state.last_hidden`` (the target's final hidden
-    #: state at the position that produced the pending token).
-    needs_hidden: ClassVar[bool] = False
-
     def __init__(self, config: Proposer.Config, context: PipelineContext) -> None:
         self.config = config
         self.context = context
+
+    @property
+    def sampled(self) -> bool:
+        """True if this proposer, as configured, draws its tokens from the draft_probs
+        it returns when sampling; False if it chooses them deterministically
+        (draft_probs None). A property of the instance: the same class can do either
+        (a draft model's chains sample, its trees do not)."""
+        return False
 
     def begin(self, state: DecodeState) -> None:
         """Reset per-request state."""

@@ -189,9 +189,6 @@ class MedusaProposer(Proposer):
         # first-head confidence and the target's T(n) (decoders/sizing/draft_length.py)
         adaptive: bool = True
 
-    sampled = True
-    needs_hidden = True
-
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         directory = Path(config.path) if config.path else context.artifact_path("medusa")
@@ -219,7 +216,6 @@ class MedusaProposer(Proposer):
             if config.tree == "dynamic"
             else None
         )
-        self.sampled = self.dynamic is None  # dynamic trees are deterministic
         choices = self.meta.get("tree") if config.tree == "auto" else None if self.dynamic else config.tree
         if config.tree == "auto" and not choices:
             raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
@@ -239,6 +235,10 @@ class MedusaProposer(Proposer):
         self.memory: ContextMemory | None = None  # copy heads: the request's committed context
 
     @torch.inference_mode()
+    @property
+    def sampled(self) -> bool:
+        return self.dynamic is None  # dynamic trees are deterministic
+
     def propose(self, state) -> Draft:
         tick = time.perf_counter()
         draft = self._propose(state)
