@@ -234,11 +234,11 @@ class MedusaProposer(Proposer):
         self._last: tuple[int, int] | None = None  # (policy key, draft length) of the round
         self.memory: ContextMemory | None = None  # copy heads: the request's committed context
 
-    @torch.inference_mode()
     @property
     def sampled(self) -> bool:
         return self.dynamic is None  # dynamic trees are deterministic
 
+    @torch.inference_mode()
     def propose(self, state) -> Draft:
         tick = time.perf_counter()
         draft = self._propose(state)
