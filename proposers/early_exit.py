@@ -205,7 +205,6 @@ class EarlyExitProposer(Proposer):
         self.layered: LayeredDecoder | None = None
         self._round: _DraftRound | None = None
 
-
     @property
     def sampled(self) -> bool:
         return True  # chains are drawn from the exit's processed distribution
