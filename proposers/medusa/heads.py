@@ -101,7 +101,9 @@ class MedusaHeads(nn.Module):
         self.vocab_size, hidden_size = lm_head.weight.shape
         # (n,) token id of each output row; None = all tokens
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(lm_head.weight.device)
-        base = lm_head if draft_vocab is None else ReducedVocabulary(draft_vocab, self.vocab_size).head(lm_head)
+        base = (
+            lm_head if draft_vocab is None else ReducedVocabulary(draft_vocab, self.vocab_size).head(lm_head)
+        )
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
         self.lm_heads = nn.ModuleList(_shared(base) for _ in range(num_heads))
         self.sequential = embeddings is not None
