@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from decoders.cli.config import store_schema
 from decoders.engine.pipeline import Pipeline
 from decoders.engine.sampling import SamplingConfig
 from train import prompts as builtin
@@ -45,6 +46,9 @@ class DataConfig:
     batch_size: int = 32
     heldout: float = 0.05  # share of sequences kept out of training, for evaluation
     seed: int = 0
+
+
+store_schema("train_data", "base", DataConfig, package="train.data")
 
 
 @dataclass

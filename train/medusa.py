@@ -51,8 +51,13 @@ IGNORE = -100  # label of rows whose target token lies past the response
 
 @dataclass
 class Config(FitConfig):
-    """``drafter=medusa`` options: architecture, adapter, loss, tree, and the FitConfig fields."""
+    """``drafter=medusa`` options: architecture, adapter, loss, tree, and the FitConfig fields.
 
+    Residual blocks trained in full, LoRA on the heads' lm projections (which start
+    from the target's lm_head). Stored as the ``drafter=medusa`` structured config:
+    these are the only defaults."""
+
+    epochs: float = 3.0
     num_heads: int = 4
     sequential: bool = True  # heads also read the previous token and head (Hydra); false = Medusa-1 heads
     draft_vocab_size: int = 8192  # most frequent training tokens the heads score; 0 = all
@@ -60,7 +65,7 @@ class Config(FitConfig):
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
     head_decay: float = 0.8  # loss weight of head k is head_decay ** k
-    copy_width: int = 128  # copy heads' pointer width (proposers/copy_attention.py); 0 = plain heads
+    copy_width: int = 128  # copy heads: a pointer of this width into the context (proposers/copy_attention.py); 0 = plain heads
     copy_batch_size: int = 4  # copy heads: sequences per step (they train on whole sequences)
     tree_nodes: int = 16  # size of the default tree stored with the artifact
     top_ranks: int = 10  # ranks whose accuracy is measured (tree candidates)

@@ -1,7 +1,13 @@
 """Turning a composed Hydra config into the project's objects.
 
 Every entry point (generate, bench, audit, train) composes a config from
-``conf/`` and the registries' structured configs, then calls these helpers.
+``conf/`` and the structured configs in Hydra's ConfigStore, then calls these
+helpers. Where a dataclass holds a section's options (``SamplingConfig``,
+``WorkloadConfig``, ``AuditConfig``, the proposers', verifiers' and drafters'
+``Config``), it is stored as that section's structured config
+(:func:`store_schema`) and holds the only defaults: the YAML files hold
+overrides, and Hydra checks every key and type while composing. The module
+defining a dataclass stores it (this one stores ``sampling``).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from decoders.engine.registry import import_plugins, load_builtins
@@ -33,6 +40,15 @@ def to_dataclass(cls: type, node: Any, what: str) -> Any:
     if unknown:
         raise ValueError(f"{what} has no option(s) {unknown}; its options are {sorted(known)}")
     return cls(**values)  # type: ignore[arg-type]
+
+
+def store_schema(group: str, name: str, node: type, package: str | None = None) -> None:
+    """Make ``group=name`` (or, for a ``base`` schema, what the group's YAML files
+    extend through their defaults list) a Hydra choice backed by dataclass ``node``."""
+    ConfigStore.instance().store(group=group, name=name, node=node, package=package)
+
+
+store_schema("sampling", "default", SamplingConfig)
 
 
 def model_config(cfg: DictConfig) -> ModelConfig:

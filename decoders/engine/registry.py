@@ -74,7 +74,7 @@ class Registry(Generic[T]):
                 )
             cls.name = name
             self._classes[name] = cls
-            _store_config(self.group, name, config_cls)
+            store_named_config(self.group, name, config_cls)
             return cls
 
         return decorator
@@ -124,7 +124,7 @@ class Registry(Generic[T]):
             entry_point.load()
 
 
-def _store_config(group: str, name: str, config_cls: type) -> None:
+def store_named_config(group: str, name: str, config_cls: type) -> None:
     """Make ``group=name`` a Hydra choice backed by the class's Config dataclass."""
     from hydra.core.config_store import ConfigStore
 

@@ -21,9 +21,9 @@ class NonFiniteLogitsError(FloatingPointError):
 class SamplingConfig:
     """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
     seed: int = 0
 
     def __post_init__(self) -> None:

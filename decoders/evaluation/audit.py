@@ -38,6 +38,7 @@ from decoders.cli.config import (
     load_plugins,
     model_config,
     sampling_config,
+    store_schema,
     to_dataclass,
 )
 from decoders.engine.decoding import default_verifier
@@ -68,16 +69,19 @@ class LossyVerifierError(ValueError):
 
 @dataclass
 class AuditConfig:
+    """``audit.*`` (stored as the ``audit`` section's structured config; conf/audit.yaml
+    only points ``output`` into the run directory)."""
+
     output: str = "audit.json"
-    prompts: int = 10  # prompts of the greedy test
-    max_new_tokens: int = 64  # tokens per prompt in the greedy test
-    sampling_prompts: int = 3  # prompts of the sampling test (the first of the greedy ones)
-    samples: int = 300  # seeds per prompt and decoder in the sampling test
-    sampled_tokens: int = 3  # leading generated tokens whose distribution is compared
-    max_enumerable_vocab: int = 64  # up to this vocabulary the standard distribution is exact
-    alpha: float = 0.01  # the sampling test fails when its p-value is below this
-    tie_tolerance: float | None = None  # null = TIE_TOLERANCE of the model's dtype
-    require_lossless: bool = True  # refuse verifiers that declare lossless = False
+    prompts: int = 10  # greedy test: prompts (round-robin over the workload's categories)
+    max_new_tokens: int = 64  # greedy test: tokens per prompt
+    sampling_prompts: int = 3  # sampling test: the first N of those prompts
+    samples: int = 300  # sampling test: seeds per prompt (and per decoder in the two-sample test)
+    sampled_tokens: int = 3  # sampling test: leading generated tokens whose joint distribution is compared
+    max_enumerable_vocab: int = 64  # vocabularies up to this size get the exact (enumerated) distribution
+    alpha: float = 0.01  # the sampling test fails below this p-value
+    tie_tolerance: float | None = None  # greedy divergences with |logit gap| <= this are ties; null = by dtype
+    require_lossless: bool = True  # refuse verifiers declaring lossless = False (false = measure their loss)
 
     def __post_init__(self) -> None:
         for name in ("prompts", "max_new_tokens", "sampling_prompts", "samples", "sampled_tokens"):
@@ -85,6 +89,9 @@ class AuditConfig:
                 raise ValueError(f"audit.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.alpha < 1:
             raise ValueError(f"audit.alpha must be in (0, 1), got {self.alpha}")
+
+
+store_schema("audit", "default", AuditConfig)
 
 
 # ------------------------------------------------------------------ sampled

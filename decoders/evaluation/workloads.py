@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoders.cli.config import to_dataclass
+from decoders.cli.config import store_schema, to_dataclass
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "default_prompts.jsonl"
 # The project's own repetitive workload: four families of ten requests sharing structure
@@ -31,11 +31,16 @@ MT_BENCH_CATEGORIES = frozenset(
 
 @dataclass
 class WorkloadConfig:
+    """``workload.*``, the schema every conf/workload/*.yaml extends (they hold overrides)."""
+
     name: str = "default"
-    path: str | None = None
-    limit: int | None = None
-    categories: list[str] | None = None
-    turns: int = 1
+    path: str | None = None  # null = the shipped file of ``name`` (default: data/default_prompts.jsonl)
+    limit: int | None = None  # first N prompts of each category
+    categories: list[str] | None = None  # e.g. [qa, rag]
+    turns: int = 1  # 2 = also the second turn of multi-turn prompts, fed the model's first answer
+
+
+store_schema("workload", "base", WorkloadConfig)
 
 
 @dataclass
@@ -51,7 +56,12 @@ def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
         raise ValueError(f"workload.turns must be 1 or 2, got {cfg.turns}")
     if cfg.limit is not None and cfg.limit < 1:
         raise ValueError(f"workload.limit must be >= 1, got {cfg.limit}")
-    path = Path(cfg.path) if cfg.path else SHIPPED_PROMPTS.get(cfg.name, DEFAULT_PROMPTS)
+    if not cfg.path and cfg.name not in SHIPPED_PROMPTS:
+        raise ValueError(
+            f"workload={cfg.name} needs workload.path=FILE (a Spec-Bench question.jsonl file); "
+            f"the shipped workloads are {', '.join(SHIPPED_PROMPTS)}."
+        )
+    path = Path(cfg.path) if cfg.path else SHIPPED_PROMPTS[cfg.name]
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as error:
