@@ -4,10 +4,9 @@ A target pass over a handful of tokens (a draft of 2 to 32) is bound by
 reading the weights from memory, so it should cost little more than a pass
 over one token. With PyTorch's default CPU route, ``F.linear`` over 2 to 16
 rows computes ``x @ W.T`` in a way that streams each weight matrix more than
-once: on a 2-core AVX2 machine, SmolLM2-135M in float32 took 107 ms for one
-token but 181 ms for two and 201 ms for four. Computing the same product as
-``(W @ x.T).T`` reads each weight once: 120 ms for two tokens, 124 ms for four
-(medians of interleaved passes after a 300-token prefix).
+once, so a pass over two tokens cost far more than one over one. Computing the
+same product as ``(W @ x.T).T`` reads each weight once (the measured passes are
+in README.md, "Why a verification pass is cheap here").
 
 :func:`route_narrow_linears` switches every ``nn.Linear`` of a model to that
 form for passes of 2 to ``max_rows`` rows and leaves single-token passes (the
@@ -65,10 +64,8 @@ def _transposed_product(weight: torch.Tensor, flat: torch.Tensor, width: int) ->
 def padded_rows(rows: int) -> int:
     """Rows to compute for ``rows``: the measured CPU BLAS is faster on widths it
     vectorises whole (4, then multiples of 8) than on the odd widths between, so
-    those are padded with zero rows. SmolLM2-135M float32 passes after 300 tokens,
-    medians of 7 interleaved: 3 tokens 137 ms unpadded vs 122 padded to 4; 6 and 7
-    tokens 168 and 197 ms vs 160 for 8; 9 to 15 tokens 197-262 ms vs 195 for 16;
-    17 and 20 tokens 220 and 213 ms vs 203 for 24. 5 rows (152 ms) stay as they are.
+    those are padded with zero rows; 5 rows stay as they are (the SmolLM2-135M
+    float32 passes behind this are in README.md, "Why a verification pass is cheap here").
     """
     if rows == 3:
         return 4
@@ -147,8 +144,8 @@ def wants_narrow_routing(setting: str | bool, device: torch.device, dtype: torch
 # A verification pass over a few tokens carries an attention mask (causal over
 # the cache, or a tree mask). With a mask, transformers' SDPA path for
 # grouped-query attention copies every key/value head ``groups`` times and the
-# CPU kernel falls back to its unfused path: on SmolLM2-135M after 800 cached
-# tokens, a pass over 4 tokens cost 189 ms against 132 ms for one. Folding the
+# CPU kernel falls back to its unfused path, so a pass over 4 tokens cost far
+# more than one over one (README.md, "Why a verification pass is cheap here"). Folding the
 # query heads that share a key/value head into the query length instead (the
 # packing transformers already does for a single token) attends to each cached
 # key once, with the mask tiled to match.

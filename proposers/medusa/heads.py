@@ -246,10 +246,9 @@ class DraftProjection:
 
     draft_vocab: torch.Tensor | None  # (n,) token ids of the rows; None = all tokens
     # Drafting is mostly the product of a few states with the weight, and which memory
-    # layout CPU kernels handle well depends on how many states there are. For 6,289
-    # rows here: one state times weight_t (hidden, n) takes 0.7 ms against 2.4 ms for
-    # F.linear with weight (n, hidden); 4 states (a dynamic tree's level) take 1.4 ms
-    # as weight @ states.T against 5.7 ms as states @ weight_t. Both are kept (_base).
+    # layout CPU kernels handle well depends on how many states there are: one state
+    # is fastest times weight_t (hidden, n), a dynamic tree's level of 4 as
+    # weight @ states.T (timings in README.md, dynamic Medusa trees). Both are kept (_base).
     weight: torch.Tensor  # (n, hidden)
     weight_t: torch.Tensor  # (hidden, n), contiguous
     bias: torch.Tensor | None  # (n,)
