@@ -115,3 +115,33 @@ def test_importing_decoders_leaves_the_plugins_unimported():
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+#: The layers, lowest first: a module imports only from its own layer or lower ones
+#: (the registries reach proposers and verifiers by module name, not by import).
+LAYERS = (
+    ("decoders.models",),
+    ("decoders.engine",),
+    ("decoders.sizing",),
+    ("proposers", "verifiers"),
+    ("decoders.cli",),
+    ("decoders.evaluation",),
+    ("decoders",),  # the package's public names and the command-line entry points
+    ("train",),
+)
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    name = ".".join(parts[:2]) if parts[0] == "decoders" and len(parts) > 2 else parts[0]
+    return next(rank for rank, names in enumerate(LAYERS) if name in names)
+
+
+def test_nothing_imports_upward():
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    )
+    assert not upward, upward
