@@ -2,12 +2,12 @@
 
 Every entry point (generate, bench, audit, train) composes a config from
 ``conf/`` and the structured configs in Hydra's ConfigStore, then calls these
-helpers. Where a dataclass holds a section's options (``SamplingConfig``,
+helpers. Where a dataclass holds a section's options (``ModelConfig``, ``SamplingConfig``,
 ``WorkloadConfig``, ``AuditConfig``, the proposers', verifiers' and drafters'
 ``Config``), it is stored as that section's structured config
 (:func:`store_schema`) and holds the only defaults: the YAML files hold
 overrides, and Hydra checks every key and type while composing. The module
-defining a dataclass stores it (this one stores ``sampling``).
+defining a dataclass stores it (this one stores ``sampling`` and the ``model`` schema).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def store_schema(group: str, name: str, node: type, package: str | None = None) 
 
 
 store_schema("sampling", "default", SamplingConfig)
+store_schema("model", "base", ModelConfig)  # conf/model/*.yaml extend it
 
 
 def model_config(cfg: DictConfig) -> ModelConfig:

@@ -15,6 +15,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -48,10 +49,10 @@ class ModelConfig:
     name: str = "smollm2-135m"
     name_or_path: str | None = None
     dtype: str = "auto"
-    device: str = "auto"
-    device_map: str | None = None
-    narrow_passes: str = "auto"
-    exact: str = "auto"
+    device: str = "auto"  # auto = cuda if available, else cpu
+    device_map: str | None = None  # e.g. auto, for models larger than one GPU
+    narrow_passes: Any = "auto"  # auto, true or false (a string or a bool: Any)
+    exact: Any = "auto"  # auto, true or false
     # tiny-random only
     vocab_size: int = 320
     hidden_size: int = 64
