@@ -1,19 +1,28 @@
-"""Speculative decoding pipelines: the engine (sessions, sampling, decode loop,
-registries, benchmark and command-line entry points)."""
+"""Speculative decoding pipelines for Hugging Face causal LMs.
 
-import proposers  # noqa: E402,F401  (registers built-in proposers)
-import verifiers  # noqa: E402,F401  (registers built-in verifiers)
-from decoders.draft import Acceptance, Draft
-from decoders.pipeline import GenerationResult, Pipeline  # noqa: E402
-from decoders.registry import register_proposer, register_verifier
-from decoders.sampling import SamplingConfig
+The package is split by concern: ``engine`` (contracts, decode loop, sampling,
+registries, the Python API), ``models`` (loading, the KV-cache session, kernels,
+the pass-cost curve), ``sizing`` (how big a draft should be) and ``evaluation``
+(benchmark, audit, metrics, plots, W&B); ``bench``, ``generate``, ``audit`` and
+``report`` are the command-line entry points. Importing ``decoders`` imports no
+proposer or verifier: the registries import built-ins when first looked up.
+"""
+
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.pipeline import GenerationResult, Pipeline
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import register_proposer, register_verifier
+from decoders.engine.sampling import SamplingConfig
+from decoders.engine.verifier import Verifier
 
 __all__ = [
     "Acceptance",
     "Draft",
     "GenerationResult",
     "Pipeline",
+    "Proposer",
     "SamplingConfig",
+    "Verifier",
     "register_proposer",
     "register_verifier",
 ]

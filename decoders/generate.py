@@ -10,13 +10,13 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from decoders.registry import import_plugins_from_argv
+from decoders.engine.registry import import_plugins_from_argv
 
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
-from decoders import Pipeline  # noqa: E402
-from decoders.config import CONF_DIR, component, load_plugins, model_config, sampling_config  # noqa: E402
-from decoders.errors import cli_errors  # noqa: E402
+from decoders.cli.config import CONF_DIR, component, load_plugins, model_config, sampling_config  # noqa: E402
+from decoders.cli.errors import cli_errors  # noqa: E402
+from decoders.engine.pipeline import Pipeline  # noqa: E402
 
 
 def format_stats(stats) -> str:

@@ -1,14 +1,4 @@
-"""Proposers: one module each. Importing this package registers the built-ins."""
-
-import decoders  # noqa: F401  (the engine first, so `import proposers` alone works: its base imports it)
-from proposers import (  # noqa: F401  (registration)
-    draft_model,
-    early_exit,  # noqa: F401  (registration)
-    medusa,  # noqa: F401  (registration)
-    merge,
-    ngram,
-    suffix,
-)
-from proposers.base import Proposer
-
-__all__ = ["Proposer"]
+"""Proposers, one module (or small package) each: the implementations of
+:class:`decoders.engine.proposer.Proposer`. Nothing is imported here; the engine's
+registry imports a built-in the first time its name is looked up
+(:data:`decoders.engine.registry.BUILTIN_PROPOSERS`)."""

@@ -1,6 +1,6 @@
 """A separate, smaller causal LM drafts k tokens autoregressively.
 
-The draft keeps its own KV cache (a :class:`~decoders.session.ModelSession`).
+The draft keeps its own KV cache (a :class:`~decoders.models.session.ModelSession`).
 Before each round it is synced with what the target committed: the cache is
 cut back to the longest prefix it shares with the committed tokens (accepted
 draft tokens stay cached; rejected ones are dropped) and only the missing
@@ -10,7 +10,7 @@ When sampling, tokens are drawn from the draft's processed distribution
 (same temperature / top-k / top-p as the target) and returned as draft_probs.
 
 With ``tree=true`` it drafts a dynamic tree instead (EAGLE-2, Li et al. 2024;
-decoders/dynamic_tree.py): ``k`` levels, each one draft forward over the
+decoders/sizing/dynamic_tree.py): ``k`` levels, each one draft forward over the
 ``tree_width`` most probable frontier nodes (the levels share one tree in the
 draft's cache, see ``ModelSession.forward(tree_start=...)``), then the best
 ``tree_budget`` candidates by cumulative log-probability, or with
@@ -51,9 +51,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from decoders.draft import Draft, follow_tokens
-from decoders.dynamic_tree import DynamicTree
-from decoders.models import (
+from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.proposer import Proposer, draft_token
+from decoders.engine.registry import register_proposer
+from decoders.engine.sampling import check_finite
+from decoders.models.loading import (
     ModelConfig,
     load_model,
     prepare_model,
@@ -61,10 +63,9 @@ from decoders.models import (
     resolve_dtype,
     tiny_draft_model,
 )
-from decoders.registry import register_proposer
-from decoders.sampling import check_finite, on_vocabulary
-from decoders.session import ModelSession
-from proposers.base import Proposer, draft_token
+from decoders.models.session import ModelSession
+from decoders.sizing.dynamic_tree import DynamicTree
+from proposers.vocabulary import ReducedVocabulary
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 FROM_TARGET_FILE = "from_target.json"  # what a shipped draft takes from its target (train/ship.py)
@@ -93,14 +94,11 @@ class DraftModelProposer(Proposer):
         vocab_size: int | None = None
         min_confidence: float = 0.0  # end a chain draft at a token the draft gives less probability (0 = off)
 
-    sampled = True
-
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         if config.k < 1:
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
         self.tree = DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
-        self.sampled = not config.tree  # tree drafts are deterministic (see the module docstring)
         draft_dir = self._draft_dir()
         self.model = self._load_draft(draft_dir)
         self.session = ModelSession(self.model)
@@ -112,6 +110,10 @@ class DraftModelProposer(Proposer):
         self._fed_parents: list[int] = []  # tree structure of the drafted entries cached after them
         self._last_tree: Draft | None = None
         self._draft_seconds = 0.0
+
+    @property
+    def sampled(self) -> bool:
+        return not self.config.tree  # tree drafts are deterministic (see the module docstring)
 
     def _draft_dir(self) -> Path | None:
         """The draft's directory or hub id: ``name_or_path``, else the distilled draft under
@@ -280,16 +282,12 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> 
         )
 
 
-class DraftVocabulary:
-    """The draft's reduced output vocabulary: full-vocabulary ids of the tokens it scores.
+class DraftVocabulary(ReducedVocabulary):
+    """The draft's reduced output vocabulary, as stored with a draft.
 
     Stored as ``draft_vocab.json`` with a draft: ``token_ids`` ranked most frequent
     first in the target's own outputs, and their ``counts``; the first N are used.
     """
-
-    def __init__(self, token_ids: torch.Tensor, full_size: int) -> None:
-        self.token_ids = token_ids  # (N,) long, full-vocabulary ids
-        self.full_size = full_size  # size of the full vocabulary
 
     @classmethod
     def load(cls, draft_dir: Path | None, size: int) -> DraftVocabulary:
@@ -308,27 +306,6 @@ class DraftVocabulary:
                 "(those the target output while generating the training data); choose 1 to that many."
             )
         return cls(torch.tensor(ranked["token_ids"][:size], dtype=torch.long), ranked["full_vocab_size"])
-
-    def head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
-        """A head scoring only these tokens: ``lm_head``'s rows for them, sliced once."""
-        weight = lm_head.weight
-        reduced = torch.nn.Linear(
-            lm_head.in_features,
-            len(self.token_ids),
-            bias=lm_head.bias is not None,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        rows = self.token_ids.to(weight.device)
-        with torch.no_grad():
-            reduced.weight.copy_(weight[rows])  # (N, hidden)
-            if lm_head.bias is not None:
-                reduced.bias.copy_(lm_head.bias[rows])
-        return reduced.requires_grad_(False)
-
-    def full_row(self, probs: torch.Tensor) -> torch.Tensor:
-        """(..., N) probabilities over these tokens as (..., full vocab) rows, 0 elsewhere."""
-        return on_vocabulary(probs, self.token_ids, self.full_size)
 
 
 def save_draft_vocab(directory: Path, token_counts: torch.Tensor) -> None:

@@ -39,13 +39,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoders.context import artifact_source
-from decoders.draft import Draft
-from decoders.layered import LayeredDecoder, check_layered_equivalence
-from decoders.registry import register_proposer
-from decoders.sampling import check_finite
-from decoders.session import ModelSession
-from proposers.base import Proposer, draft_token
+from decoders.engine.context import artifact_source
+from decoders.engine.draft import Draft
+from decoders.engine.proposer import Proposer, draft_token
+from decoders.engine.registry import register_proposer
+from decoders.engine.sampling import check_finite
+from decoders.models.layered import LayeredDecoder, check_layered_equivalence
+from decoders.models.session import ModelSession
 
 EXIT_WEIGHTS = "exit.safetensors"
 EXIT_CONFIG = "exit_config.json"
@@ -178,8 +178,6 @@ class EarlyExitProposer(Proposer):
         adapter_path: str | None = None  # a trained exit's directory (implies trained)
         min_confidence: float = 0.0  # end the draft at a token the exit gives less probability (0 = off)
 
-    sampled = True
-
     def __init__(self, config: Config, context) -> None:
         target = context.target
         num_layers = target.config.num_hidden_layers
@@ -206,6 +204,10 @@ class EarlyExitProposer(Proposer):
             )
         self.layered: LayeredDecoder | None = None
         self._round: _DraftRound | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return True  # chains are drawn from the exit's processed distribution
 
     def _load_exit(self) -> ExitHead:
         target = self.context.target

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from decoders.draft import Acceptance, Draft, follow_tokens
-from decoders.registry import build, proposer_registry, register_proposer
-from proposers.base import Proposer
+from decoders.engine.draft import Acceptance, Draft, follow_tokens
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import build, proposer_registry, register_proposer
 
 
 @register_proposer("merge")
@@ -51,8 +51,6 @@ class MergeProposer(Proposer):
             ]
         )
 
-    sampled = False  # True when a member samples (set in __init__)
-
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         if not config.members:
@@ -61,7 +59,6 @@ class MergeProposer(Proposer):
         if "merge" in names:
             raise ValueError("proposer.members cannot hold another merge; list its members directly")
         self.members: list[Proposer] = [build(proposer_registry, m, context=context) for m in config.members]
-        self.sampled = any(member.sampled for member in self.members)
         # A member that drafts with the target's own layers (early exit) leaves their KV
         # entries in the target's cache, so it alone may run the verification pass: it
         # reuses them for its own chain and drops them before any other pass.
@@ -75,6 +72,10 @@ class MergeProposer(Proposer):
         self._drafts: list[Draft] = []
         self.merged_nodes = 0  # nodes saved by shared prefixes, over all rounds
         self.own_nodes = [0] * len(self.members)  # nodes only this member proposed
+
+    @property
+    def sampled(self) -> bool:
+        return any(member.sampled for member in self.members)  # a member's sampled drafts stay sampled
 
     def begin(self, state) -> None:
         for member in self.members:

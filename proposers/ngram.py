@@ -8,7 +8,7 @@ distinct earlier occurrences, merged where they share a prefix.
 
 With ``adaptive=true`` (default) the draft is cut to the length that pays:
 acceptance is measured per matched-suffix length and depth, and
-:class:`decoders.draft_length.DraftLengthPolicy` weighs it against the target's
+:class:`decoders.sizing.draft_length.DraftLengthPolicy` weighs it against the target's
 measured pass cost, so a one-token match that is rarely right sends a short
 draft or none, and a long match sends up to ``k``.
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.draft import Draft
-from decoders.draft_length import DraftLengthPolicy
-from decoders.registry import register_proposer
-from proposers.base import Proposer
+from decoders.engine.draft import Draft
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import register_proposer
+from decoders.sizing.draft_length import DraftLengthPolicy
 
 
 @register_proposer("ngram")
@@ -35,8 +35,6 @@ class NgramProposer(Proposer):
         max_n: int = 3
         branches: int = 1  # continuations from distinct earlier occurrences (1 = chain)
         adaptive: bool = True  # cut drafts to the length that pays (measured acceptance vs pass cost)
-
-    sampled = False
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)

@@ -14,11 +14,11 @@ A node's chance of acceptance, given its parent's, is read from how often
 nodes like it were accepted, counted per (depth, share of the occurrences that
 continued with its token (smoothed: count / (occurrences + 1)), source,
 match-length bucket) in a
-:class:`decoders.dynamic_tree.NodeCalibration`: the two sources are weighed
+:class:`decoders.sizing.dynamic_tree.NodeCalibration`: the two sources are weighed
 separately, and a long match counts for more than a short one. The two trees
 are joined (a node present in both takes the better estimate) and the round
 keeps the n best nodes, n chosen from the target's cost T(n) and the drafting
-time by :func:`decoders.dynamic_tree.best_tree_size`, down to no draft.
+time by :func:`decoders.sizing.dynamic_tree.best_tree_size`, down to no draft.
 
 Nodes are chosen deterministically (``draft_probs`` None): every verifier treats
 them as point masses, so the proposer is lossless at any temperature. With
@@ -35,10 +35,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoders.draft import Draft, follow_tokens
-from decoders.dynamic_tree import NodeCalibration, best_tree_size
-from decoders.registry import register_proposer
-from proposers.base import Proposer
+from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import register_proposer
+from decoders.sizing.dynamic_tree import NodeCalibration, best_tree_size
 from proposers.suffix_index import State, SuffixIndex
 
 REQUEST, MEMORY = "request", "memory"
@@ -80,8 +80,6 @@ class SuffixProposer(Proposer):
         memory_tokens: int = 200_000  # tokens kept in memory over all requests
         memory_path: str | None = None  # JSON file the memory is loaded from and saved to after each request
         explore_every: int = 16  # rounds switched off (no draft) between two one-node probes
-
-    sampled = False
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)

@@ -26,8 +26,8 @@ os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)  # tiny models gain nothing from threads; CI has 2 shared cores
 
 from decoders import Pipeline  # noqa: E402
-from decoders.cost import COST_CURVE_ENV, CostCurve  # noqa: E402
-from decoders.models import ModelConfig, load_model  # noqa: E402
+from decoders.models.cost import COST_CURVE_ENV, CostCurve  # noqa: E402
+from decoders.models.loading import ModelConfig, load_model  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

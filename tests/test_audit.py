@@ -14,25 +14,23 @@ from hydra import compose, initialize_config_dir
 from scipy import stats
 
 from decoders import Pipeline, SamplingConfig
-from decoders.audit import (
+from decoders.cli.config import CONF_DIR
+from decoders.engine.draft import Acceptance
+from decoders.engine.registry import proposer_registry, register_verifier, verifier_registry
+from decoders.engine.verifier import Verifier
+from decoders.evaluation.audit import LossyVerifierError, reusing_prompts, run_audit
+from decoders.evaluation.audit_statistics import (
     ChiSquare,
-    LossyVerifierError,
     combined_p_value,
     goodness_of_fit,
-    reusing_prompts,
-    run_audit,
     sequence_tests,
     sequential_goodness_of_fit,
     sequential_two_sample,
     two_sample,
 )
-from decoders.config import CONF_DIR
-from decoders.draft import Acceptance
-from decoders.registry import proposer_registry, register_verifier, verifier_registry
-from decoders.session import ModelSession
+from decoders.models.session import ModelSession
 from tests.bench_helpers import write_workload
 from tests.conftest import REPO_ROOT
-from verifiers.base import Verifier
 
 ACCEPT_ALL = "audit_test_accept_all"
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from decoders import bench
-from decoders.metrics import Record, first_divergence, physical_limit, repeat_spread
+from decoders.evaluation import benchmark as bench
+from decoders.evaluation.metrics import Record, first_divergence, physical_limit, repeat_spread
 from tests.bench_helpers import run_bench, tiny_overrides, write_workload
 
 TOP_LEVEL = {
@@ -212,7 +212,7 @@ def test_default_pipelines_skip_the_ones_without_a_trained_artifact(tmp_path, mo
 
 
 def test_bench_pipelines_list_rejects_a_malformed_entry():
-    from decoders.bench import listed_pipeline
+    from decoders.evaluation.benchmark import listed_pipeline
 
     for entry in ({"verifier": "greedy"}, 3):
         with pytest.raises(ValueError, match="bench.pipelines entry"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoders.session import ModelSession
+from decoders.models.session import ModelSession
 from proposers.copy_attention import ContextMemory, CopyAttention, mixture
 from tests.conftest import random_prompts
 from tests.test_train import train_tiny_medusa

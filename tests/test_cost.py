@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-from decoders import cost
-from decoders.cost import COST_CURVE_ENV, cached_cost_curve
+from decoders.models import cost
+from decoders.models.cost import COST_CURVE_ENV, cached_cost_curve
 
 
 class FakeClock:

@@ -16,10 +16,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decoders import Pipeline
-from decoders.audit import combined_p_value, exact_distribution, sample_outcomes, sequential_goodness_of_fit
-from decoders.config import to_dataclass
-from decoders.models import ModelConfig
-from decoders.sampling import SamplingConfig
+from decoders.cli.config import to_dataclass
+from decoders.engine.sampling import SamplingConfig
+from decoders.evaluation.audit import sample_outcomes
+from decoders.evaluation.audit_statistics import (
+    combined_p_value,
+    exact_distribution,
+    sequential_goodness_of_fit,
+)
+from decoders.models.loading import ModelConfig
 from proposers.draft_model import DRAFT_VOCAB_FILE, FROM_TARGET_FILE, load_draft_sharing_target
 from tests.test_train import compose_train
 from train.data import DataConfig, self_distilled, split_heldout

@@ -1,4 +1,4 @@
-"""The dynamic tree mechanism (decoders/dynamic_tree.py) on hand-made logits."""
+"""The dynamic tree mechanism (decoders/sizing/dynamic_tree.py) on hand-made logits."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from decoders.cost import CostCurve
-from decoders.draft import Draft
-from decoders.dynamic_tree import DynamicTree, NodeCalibration, grow
+from decoders.engine.draft import Draft
+from decoders.models.cost import CostCurve
+from decoders.sizing.dynamic_tree import DynamicTree, NodeCalibration, grow
 
 VOCAB = 6
 

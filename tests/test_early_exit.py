@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from decoders import Pipeline
-from decoders.decoding import DecodeState
-from decoders.layered import LayeredDecoder, UnsupportedArchitectureError, check_layered_equivalence
-from decoders.models import ModelConfig, load_model
-from decoders.sampling import SamplingConfig
-from decoders.session import ModelSession
+from decoders.engine.sampling import SamplingConfig
+from decoders.engine.state import DecodeState
+from decoders.models.layered import LayeredDecoder, UnsupportedArchitectureError, check_layered_equivalence
+from decoders.models.loading import ModelConfig, load_model
+from decoders.models.session import ModelSession
 from proposers.early_exit import EarlyExitProposer, ExitHead, exit_artifact_dir
 from tests.conftest import REPO_ROOT, random_prompts
 

@@ -9,14 +9,15 @@ import os
 import pytest
 import torch
 
-from decoders import Pipeline, exact_attention
-from decoders.audit import decided_rows
-from decoders.invariance import check_pass_invariance
-from decoders.kernels import configure_passes, exact_passes, route_narrow_linears, wants_exact
-from decoders.models import ModelConfig, cache_dir, load_model, tiny_random_model
-from decoders.registry import proposer_registry
-from decoders.session import ModelSession
-from decoders.workloads import WorkloadConfig, load_workload
+from decoders import Pipeline
+from decoders.engine.registry import proposer_registry
+from decoders.evaluation.audit import decided_rows
+from decoders.evaluation.workloads import WorkloadConfig, load_workload
+from decoders.models import exact_attention
+from decoders.models.invariance import check_pass_invariance
+from decoders.models.kernels import configure_passes, exact_passes, route_narrow_linears, wants_exact
+from decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
+from decoders.models.session import ModelSession
 from tests.conftest import random_prompts
 from tests.test_greedy_identity import lossless_verifiers, pipeline_or_skip
 
@@ -204,7 +205,7 @@ def test_audit_reports_bit_identical(tmp_path, drafting_pays, exact):
     """float32 tiny model: bit-identical decisive logits with exact mode; without it
     the tokens still agree (ties are rare) but the logits do not: the narrow route
     computes single rows (gemv) and passes of several (gemm) with different sums."""
-    from decoders.audit import run_audit
+    from decoders.evaluation.audit import run_audit
     from tests.test_audit import audit_config
 
     cfg = audit_config(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoders.registry import proposer_registry, verifier_registry
+from decoders.engine.registry import proposer_registry, verifier_registry
 from tests.conftest import random_prompts
 
 
@@ -73,3 +73,53 @@ def test_confidence_stop_keeps_output_and_shortens_drafts(tiny_pipeline, propose
         assert result.tokens == expected and result.stats.proposed == 0
         assert result.stats.target_passes == len(expected) - 1  # the first token comes from the prefill
     assert proposed["cautious"] < proposed["full"]
+
+
+#: Each built-in proposer's draft shapes (chains, static and dynamic trees, branches);
+#: a proposer not listed here (a plugin) runs in its default configuration.
+DRAFT_SHAPES: dict[str, list[dict]] = {
+    "ngram": [{}, {"branches": 2}],
+    "suffix": [{}],
+    "draft_model": [{}, {"tree": True, "tree_budget": 8}],
+    "early_exit": [{}, {"kv_reuse": False}],
+    "medusa": [{}, {"tree": "auto"}, {"tree": "dynamic"}],
+    "merge": [{}],
+}
+
+
+def shape_cases() -> list[tuple[dict, str]]:
+    return [
+        ({"name": proposer, **options}, verifier)
+        for proposer in proposer_registry.names()
+        for options in DRAFT_SHAPES.get(proposer, [{}])
+        for verifier in lossless_verifiers()
+    ]
+
+
+def shape_id(case: tuple[dict, str]) -> str:
+    spec, verifier = case
+    options = ",".join(f"{key}={value}" for key, value in spec.items() if key != "name")
+    return f"{spec['name']}[{options}]+{verifier}"
+
+
+def test_every_builtin_proposer_has_its_draft_shapes_listed():
+    from decoders.engine.registry import BUILTIN_PROPOSERS
+
+    assert set(BUILTIN_PROPOSERS) == set(DRAFT_SHAPES)
+
+
+@pytest.mark.parametrize("case", shape_cases(), ids=[shape_id(c) for c in shape_cases()])
+def test_every_draft_shape_of_every_pair_reproduces_standard_greedy(drafting_pays, trained_pipeline, case):
+    """Float64 tiny target, trained heads: each (proposer in each of its draft shapes,
+    lossless verifier) pair emits standard greedy decoding's tokens exactly, and drafts
+    (under a flat T(n), so adaptive proposers keep drafting)."""
+    spec, verifier = case
+    pipeline = pipeline_or_skip(trained_pipeline, spec, verifier)
+    proposed = 0
+    for prompt in random_prompts(3, seed=21):
+        for max_new in (1, 16):
+            expected = trained_pipeline.generate(prompt, max_new).tokens
+            result = pipeline.generate(prompt, max_new)
+            assert result.tokens == expected, (spec, verifier, prompt, max_new)
+            proposed += result.stats.proposed
+    assert proposed > 0, "nothing was drafted: the pair was not exercised"

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from decoders.models import ModelConfig, byte_tokenizer, resolve_dtype, tiny_random_model
-from decoders.workloads import WorkloadConfig, load_workload
+from decoders.evaluation.workloads import WorkloadConfig, load_workload
+from decoders.models.loading import ModelConfig, byte_tokenizer, resolve_dtype, tiny_random_model
 from proposers.draft_model import IncompatibleTokenizerError, check_same_tokenizer
 
 
@@ -27,7 +27,7 @@ def test_empty_prompt_and_bad_max_new_tokens(tiny_pipeline):
 
 
 def test_greedy_verifier_refuses_sampling(tiny_pipeline):
-    from decoders.sampling import SamplingConfig
+    from decoders.engine.sampling import SamplingConfig
 
     with pytest.raises(ValueError, match="verifier=rejection"):
         tiny_pipeline.with_components("ngram", "greedy", SamplingConfig(temperature=0.7))
@@ -94,7 +94,7 @@ def test_workload_selection(tmp_path):
 def test_bad_dtype_and_model_names():
     with pytest.raises(ValueError, match="model.dtype"):
         resolve_dtype("float33", __import__("torch").device("cpu"))
-    from decoders.models import load_model
+    from decoders.models.loading import load_model
 
     with pytest.raises(ValueError, match="model.name_or_path"):
         load_model(ModelConfig(name="hf"))

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from decoders.kernels import route_narrow_linears, wants_narrow_routing
-from decoders.models import ModelConfig, load_model
-from decoders.session import ModelSession
+from decoders.models.kernels import route_narrow_linears, wants_narrow_routing
+from decoders.models.loading import ModelConfig, load_model
+from decoders.models.session import ModelSession
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9, 16, 17, 41, 48, 49, 100])
@@ -22,7 +22,7 @@ def test_routed_linear_computes_the_same_product(rows, bias):
 
 
 def test_padding_widths():
-    from decoders.kernels import padded_rows
+    from decoders.models.kernels import padded_rows
 
     assert [padded_rows(n) for n in range(1, 11)] == [1, 2, 4, 4, 5, 8, 8, 8, 16, 16]
     assert padded_rows(17) == 24 and padded_rows(48) == 48
@@ -62,8 +62,8 @@ def test_last_only_prefill_returns_the_last_row():
 
 def test_packed_attention_matches_sdpa_on_chains_and_trees():
     """GQA model (4 query heads over 2 key/value heads), chain and tree masks."""
-    from decoders.kernels import use_packed_gqa_attention
-    from decoders.models import tiny_random_model
+    from decoders.models.kernels import use_packed_gqa_attention
+    from decoders.models.loading import tiny_random_model
 
     def gqa_model():
         model = tiny_random_model(320, 64, 2, seed=3)

@@ -10,13 +10,14 @@ import torch
 from scipy.stats import chisquare
 
 from decoders import Pipeline
-from decoders.decoding import DecodeState
-from decoders.models import ModelConfig, load_model
-from decoders.registry import verifier_registry
-from decoders.sampling import SamplingConfig, processed_probs
-from decoders.session import ModelSession
+from decoders.engine.registry import verifier_registry
+from decoders.engine.sampling import SamplingConfig, processed_probs
+from decoders.engine.state import DecodeState
+from decoders.models.loading import ModelConfig, load_model
+from decoders.models.session import ModelSession
 from proposers.copy_attention import mixture
-from proposers.medusa import best_tree, build_tree, load_artifact, save_artifact
+from proposers.medusa.artifact import load_artifact, save_artifact
+from proposers.medusa.proposer import best_tree, build_tree
 from tests.conftest import random_prompts
 from tests.test_copy_attention import entries_of
 from tests.test_train import train_tiny_medusa
@@ -326,7 +327,7 @@ def test_shipped_heads_load_from_package_data_and_stay_lossless(
     """`python -m train.ship` copies the heads in bfloat16 into the shipped drafters; a
     pipeline with no artifacts of its own then finds them, says so, and its greedy output
     is still standard decoding's."""
-    from decoders import context as context_module
+    from decoders.engine import context as context_module
     from train.ship import ship
 
     model, tokenizer = tiny_model

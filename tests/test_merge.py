@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decoders.draft import Acceptance, Draft
-from decoders.registry import RegistryError, build, proposer_registry
-from proposers.base import Proposer
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import RegistryError, build, proposer_registry
 from proposers.merge import MergeProposer
 from tests.conftest import random_prompts
 

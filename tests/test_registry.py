@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from decoders.draft import Draft
-from decoders.registry import (
+from decoders.engine.draft import Draft
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import (
     RegistryError,
     build,
     import_plugins,
@@ -18,7 +19,6 @@ from decoders.registry import (
     register_proposer,
     verifier_registry,
 )
-from proposers.base import Proposer
 
 
 def test_builtins_are_registered():
@@ -81,7 +81,7 @@ def test_plugins_are_imported_from_argv(tmp_path, monkeypatch):
             """
             from dataclasses import dataclass
             from decoders import Draft, register_proposer
-            from proposers.base import Proposer
+            from decoders.engine.proposer import Proposer
 
             @register_proposer("argv_plugin")
             class ArgvPlugin(Proposer):
@@ -100,3 +100,27 @@ def test_plugins_are_imported_from_argv(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="plugins"):
         import_plugins(["no_such_module_xyz"])
     sys.modules.pop("my_test_plugin", None)
+
+
+def test_sampled_is_a_property_of_the_configured_proposer(tiny_pipeline):
+    """``sampled`` is asked of an instance (a draft model's chains sample, its trees do
+    not), never a class flag that instances overwrite."""
+    import inspect
+
+    for name in proposer_registry.names():
+        assert isinstance(inspect.getattr_static(proposer_registry.get(name), "sampled"), property), name
+    chain = tiny_pipeline.with_components({"name": "draft_model"}, "rejection").proposer
+    tree = tiny_pipeline.with_components({"name": "draft_model", "tree": True}, "tree").proposer
+    assert chain.sampled and not tree.sampled
+
+
+def test_builtins_are_listed_before_they_are_imported():
+    """The registry names its built-ins from its table; looking one up imports it."""
+    from decoders.engine.registry import BUILTIN_PROPOSERS, BUILTIN_VERIFIERS
+
+    assert set(BUILTIN_PROPOSERS) <= set(proposer_registry.names())
+    assert set(BUILTIN_VERIFIERS) <= set(verifier_registry.names())
+    for name, target in {**BUILTIN_PROPOSERS, **BUILTIN_VERIFIERS}.items():
+        registry = proposer_registry if name in BUILTIN_PROPOSERS else verifier_registry
+        cls = registry.get(name)
+        assert f"{cls.__module__}:{cls.__qualname__}" == target

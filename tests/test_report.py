@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from decoders import report
+from decoders.evaluation import report as sweep_report
 from tests.bench_helpers import run_bench, tiny_overrides, write_workload
 
 
@@ -52,8 +53,8 @@ def _payload(temperature: float, k: int) -> dict:
 def test_report_shows_only_options_that_vary():
     root = Path("/sweep")
     runs = [(root / "0" / "results.json", _payload(0.5, 4)), (root / "1" / "results.json", _payload(1.0, 4))]
-    rows, varying = report.report_rows(runs, root)
+    rows, varying = sweep_report.report_rows(runs, root)
     assert varying == ["sampling.temperature"]  # k, max_n and the logger's dir are the same or ignored
     assert [row["run"] for row in rows] == ["0", "1"]  # standard decoding left out
-    assert report.draft_size_option(rows, varying) is None  # nothing to plot against
-    assert "| sampling.temperature |" in report.markdown_table(rows, varying)
+    assert sweep_report.draft_size_option(rows, varying) is None  # nothing to plot against
+    assert "| sampling.temperature |" in sweep_report.markdown_table(rows, varying)

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from decoders.models import tiny_random_model
-from decoders.session import ModelSession, tree_attention_mask
+from decoders.models.loading import tiny_random_model
+from decoders.models.session import ModelSession, tree_attention_mask
 
 VOCAB = 40
 TIGHT = {"rtol": 0.0, "atol": 1e-10}  # float64: only summation-order rounding differs

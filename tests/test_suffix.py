@@ -11,13 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoders.audit import combined_p_value, exact_distribution, sample_outcomes, sequential_goodness_of_fit
-from decoders.context import PipelineContext
-from decoders.cost import CostCurve
-from decoders.draft import Acceptance
-from decoders.models import ModelConfig, load_model
-from decoders.registry import build, proposer_registry
-from decoders.sampling import SamplingConfig
+from decoders.engine.context import PipelineContext
+from decoders.engine.draft import Acceptance
+from decoders.engine.registry import build, proposer_registry
+from decoders.engine.sampling import SamplingConfig
+from decoders.evaluation.audit import sample_outcomes
+from decoders.evaluation.audit_statistics import (
+    combined_p_value,
+    exact_distribution,
+    sequential_goodness_of_fit,
+)
+from decoders.models.cost import CostCurve
+from decoders.models.loading import ModelConfig, load_model
 from proposers.suffix_index import SuffixIndex
 from tests.conftest import random_prompts
 
@@ -338,7 +343,7 @@ def test_sampled_tree_decoding_has_standard_decodings_distribution(tmp_path):
 
 
 def test_agentic_workload_runs_families_in_order_with_first_requests_apart():
-    from decoders.workloads import WorkloadConfig, load_workload
+    from decoders.evaluation.workloads import WorkloadConfig, load_workload
 
     prompts = load_workload(WorkloadConfig(name="agentic"))
     families = list(dict.fromkeys(p.category.partition("/")[0] for p in prompts))
@@ -350,7 +355,7 @@ def test_agentic_workload_runs_families_in_order_with_first_requests_apart():
 
 
 def test_stages_are_reported_over_every_family():
-    from decoders.metrics import Record, pipeline_entry
+    from decoders.evaluation.metrics import Record, pipeline_entry
 
     def record(category: str, seconds: float, passes: int) -> Record:
         return Record("p", category, 0, 0, 10, seconds, [0] * 10, passes, 0, 0, 0.0, 0.0, [1] * passes)

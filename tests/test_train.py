@@ -15,11 +15,11 @@ from hydra import compose, initialize_config_dir
 
 import train.generation as generation
 from decoders import Pipeline
-from decoders.config import to_dataclass
-from decoders.sampling import SamplingConfig
-from decoders.session import ModelSession
-from decoders.workloads import DEFAULT_PROMPTS
-from proposers.medusa import load_artifact
+from decoders.cli.config import to_dataclass
+from decoders.engine.sampling import SamplingConfig
+from decoders.evaluation.workloads import DEFAULT_PROMPTS
+from decoders.models.session import ModelSession
+from proposers.medusa.artifact import load_artifact
 from tests.conftest import REPO_ROOT, random_prompts
 from train import prompts as builtin
 from train.data import DataConfig, read_prompt_file, self_distilled, split_heldout

@@ -21,16 +21,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from decoders.context import PipelineContext
-from decoders.cost import CostCurve
-from decoders.decoding import StopConditions, decode
-from decoders.draft import Draft, follow_tokens
-from decoders.models import ModelConfig, tiny_draft_model, tiny_random_model
-from decoders.registry import build, proposer_registry
-from decoders.sampling import SamplingConfig, processed_probs, sample
-from decoders.session import ModelSession
-from decoders.tree_budget import AcceptanceProfile, BudgetTuner, best_budget
-from proposers.base import Proposer
+from decoders.engine.context import PipelineContext
+from decoders.engine.decoding import StopConditions, decode
+from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import build, proposer_registry
+from decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from decoders.models.cost import CostCurve
+from decoders.models.loading import ModelConfig, tiny_draft_model, tiny_random_model
+from decoders.models.session import ModelSession
+from decoders.sizing.tree_budget import AcceptanceProfile, BudgetTuner, best_budget
 from proposers.ngram import tree_from_sequences
 from tests.conftest import random_prompts
 from verifiers.greedy import GreedyVerifier

@@ -15,6 +15,8 @@ under ``accelerate launch`` or ``torchrun`` (README "Training at scale"). Artifa
 ``<artifacts_dir>/<target>/<drafter>``, where the matching proposer finds them.
 """
 
-from train.job import DRAFTERS, TrainJob, run
+from train.job import DRAFTERS, TrainJob, run, store_drafter_configs
+
+store_drafter_configs()  # drafter=<name> choices, before any config is composed
 
 __all__ = ["DRAFTERS", "TrainJob", "run"]

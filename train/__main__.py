@@ -5,8 +5,8 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from decoders.config import CONF_DIR
-from decoders.errors import cli_errors
+from decoders.cli.config import CONF_DIR
+from decoders.cli.errors import cli_errors
 from train.job import run
 
 

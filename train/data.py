@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from decoders.pipeline import Pipeline
-from decoders.sampling import SamplingConfig
+from decoders.cli.config import store_schema
+from decoders.engine.pipeline import Pipeline
+from decoders.engine.sampling import SamplingConfig
 from train import prompts as builtin
 from train.generation import Generation, GenerationSettings, GenerationStore, Request, generate_all
 from train.processes import process_state
@@ -45,6 +46,9 @@ class DataConfig:
     batch_size: int = 32
     heldout: float = 0.05  # share of sequences kept out of training, for evaluation
     seed: int = 0
+
+
+store_schema("train_data", "base", DataConfig, package="train.data")
 
 
 @dataclass
@@ -129,7 +133,7 @@ def eval_sequences(
 ) -> list[Sequence]:
     """The target's responses to a benchmark-style prompt file (Spec-Bench format),
     to measure drafters on prompts unlike the training ones; never trained on."""
-    from decoders.workloads import WorkloadConfig, load_workload
+    from decoders.evaluation.workloads import WorkloadConfig, load_workload
 
     responses = _store(pipeline, data_root, "responses", cfg.max_new_tokens, cfg.response_temperature, cfg)
     workload = load_workload(WorkloadConfig(name="eval", path=path, limit=limit))

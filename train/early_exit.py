@@ -40,9 +40,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decoders.kernels import configure_passes
-from decoders.layered import LayeredDecoder, run_layers
-from decoders.session import ModelSession
+from decoders.models.kernels import configure_passes
+from decoders.models.layered import LayeredDecoder, run_layers
+from decoders.models.session import ModelSession
 from proposers.early_exit import ExitHead
 from train import checkpoints
 from train.data import Sequence, split_heldout
@@ -55,7 +55,14 @@ SHALLOW_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 @dataclass
 class Config(FitConfig):
-    """``drafter=early_exit`` options; ``batch_size`` counts sequences per step."""
+    """``drafter=early_exit`` options; ``batch_size`` counts sequences per step.
+
+    A residual adapter before the exit and LoRA on the exit's LM head, distilled
+    from the full-depth distribution; one artifact per exit layer
+    (``python -m train -m drafter=early_exit drafter.exit_layer=4,8,12,16``). Stored
+    as the ``drafter=early_exit`` structured config: these are the only defaults."""
+
+    batch_size: int = 8
 
     exit_layer: int = 8
     adapter_rank: int = 128

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from decoders.sampling import SamplingConfig, processed_probs, sample
+from decoders.engine.sampling import SamplingConfig, processed_probs, sample
 from train.processes import process_state
 
 

@@ -3,8 +3,8 @@ and the drafter registry.
 
 A drafter plugs in as a module listed in :data:`DRAFTERS` that defines
 ``train(job: TrainJob) -> Path`` (the artifact directory it wrote) and a
-``Config`` dataclass for its ``drafter.*`` options; ``conf/drafter/<name>.yaml``
-holds its defaults. Everything else (self-distilled data, the training loop,
+``Config`` dataclass for its ``drafter.*`` options, stored as the ``drafter=<name>``
+structured config (:func:`store_drafter_configs`), so it holds the only defaults. Everything else (self-distilled data, the training loop,
 W&B, checkpoints) is shared through the job.
 
 Under ``accelerate launch`` or ``torchrun`` every process runs the whole job: each
@@ -27,9 +27,10 @@ from types import ModuleType
 from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 
-from decoders.config import model_config, to_dataclass
-from decoders.models import ModelConfig, load_model
-from decoders.pipeline import Pipeline
+from decoders.cli.config import model_config, to_dataclass
+from decoders.engine.pipeline import Pipeline
+from decoders.engine.registry import store_named_config
+from decoders.models.loading import ModelConfig, load_model
 from train.data import DataConfig, Sequence, eval_sequences, self_distilled
 from train.loop import RunLogger, ScaleConfig
 from train.processes import process_state
@@ -46,9 +47,17 @@ def drafter_module(name: str) -> ModuleType:
     if name not in DRAFTERS:
         raise KeyError(
             f"unknown drafter {name!r}; drafters: {', '.join(sorted(DRAFTERS))}. A new drafter is a module "
-            "with `Config` and `train(job)`, listed in train/job.py DRAFTERS, with conf/drafter/<name>.yaml."
+            "with `Config` and `train(job)`, listed in train/job.py DRAFTERS."
         )
     return importlib.import_module(DRAFTERS[name])
+
+
+def store_drafter_configs() -> None:
+    """Make each drafter's ``Config`` the ``drafter=<name>`` choice of Hydra's ConfigStore
+    (imports every drafter module; the ``train`` package does it on import, before any
+    config is composed)."""
+    for name in DRAFTERS:
+        store_named_config("drafter", name, drafter_module(name).Config)
 
 
 @dataclass

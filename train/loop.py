@@ -54,7 +54,7 @@ class FitConfig:
     warmup: float = 0.05  # share of the steps with a linearly rising learning rate
     max_grad_norm: float = 1.0
     log_every: int = 10  # steps between W&B points
-    checkpoint_every: int = 100  # steps between checkpoints
+    checkpoint_every: int = 50  # steps between checkpoints
     seed: int = 0
 
 

@@ -22,6 +22,10 @@ After training, the heads are measured on held-out sequences (and on
 accuracy of each rank (which builds the default tree), and ``chain_tau``, the
 tokens per target pass a greedy chain would get on that data (1 + the mean
 number of leading heads that are right).
+
+One module for the whole recipe (about 470 lines): rows, loss, copy-head
+sequences and measurement all read the same heads and rows, and a reader follows
+the recipe from top to bottom.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decoders.session import ModelSession
+from decoders.models.session import ModelSession
 from proposers.copy_attention import mixture
-from proposers.medusa import CONFIG_FILE, LORA_TARGETS, MedusaHeads, best_tree, load_artifact, save_artifact
+from proposers.medusa.artifact import CONFIG_FILE, load_artifact, save_artifact
+from proposers.medusa.heads import LORA_TARGETS, MedusaHeads
+from proposers.medusa.proposer import best_tree
 from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
@@ -49,8 +55,13 @@ IGNORE = -100  # label of rows whose target token lies past the response
 
 @dataclass
 class Config(FitConfig):
-    """``drafter=medusa`` options: architecture, adapter, loss, tree, and the FitConfig fields."""
+    """``drafter=medusa`` options: architecture, adapter, loss, tree, and the FitConfig fields.
 
+    Residual blocks trained in full, LoRA on the heads' lm projections (which start
+    from the target's lm_head). Stored as the ``drafter=medusa`` structured config:
+    these are the only defaults."""
+
+    epochs: float = 3.0
     num_heads: int = 4
     sequential: bool = True  # heads also read the previous token and head (Hydra); false = Medusa-1 heads
     draft_vocab_size: int = 8192  # most frequent training tokens the heads score; 0 = all
@@ -58,7 +69,7 @@ class Config(FitConfig):
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
     head_decay: float = 0.8  # loss weight of head k is head_decay ** k
-    copy_width: int = 128  # copy heads' pointer width (proposers/copy_attention.py); 0 = plain heads
+    copy_width: int = 128  # copy heads: a pointer of this width into the context (proposers/copy_attention.py); 0 = plain heads
     copy_batch_size: int = 4  # copy heads: sequences per step (they train on whole sequences)
     tree_nodes: int = 16  # size of the default tree stored with the artifact
     top_ranks: int = 10  # ranks whose accuracy is measured (tree candidates)

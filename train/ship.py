@@ -3,7 +3,7 @@
     python -m train.ship artifacts/smollm2-135m/medusa artifacts/smollm2-135m/early_exit
 
 Each artifact directory lands under ``proposers/shipped/<target>/<drafter>``,
-where :meth:`decoders.context.PipelineContext.artifact_path` finds it when the
+where :meth:`decoders.engine.context.PipelineContext.artifact_path` finds it when the
 user's artifacts dir has none. Heads, adapters and exits already hold only
 what differs from the target; a distilled draft, an ordinary model directory,
 ships without the tensors it shares with the target (its embeddings and LM head,
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoders.context import SHIPPED_ARTIFACTS
-from decoders.models import ModelConfig, load_model
+from decoders.engine.context import SHIPPED_ARTIFACTS
+from decoders.models.loading import ModelConfig, load_model
 from proposers.draft_model import FROM_TARGET_FILE, check_same_tokenizer
 
 LEFT_OUT = {"checkpoint", "README.md"}  # resumption state (a folder); PEFT's generated model card

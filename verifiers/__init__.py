@@ -1,7 +1,4 @@
-"""Verifiers: one module each. Importing this package registers the built-ins."""
-
-import decoders  # noqa: F401  (the engine first, so `import verifiers` alone works: its base imports it)
-from verifiers import greedy, rejection, tree, typical  # noqa: F401  (registration)
-from verifiers.base import Verifier
-
-__all__ = ["Verifier"]
+"""Verifiers, one module each: the implementations of
+:class:`decoders.engine.verifier.Verifier`. Nothing is imported here; the engine's
+registry imports a built-in the first time its name is looked up
+(:data:`decoders.engine.registry.BUILTIN_VERIFIERS`)."""

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from decoders.draft import Acceptance, Draft
-from decoders.registry import register_verifier
-from decoders.sampling import SamplingConfig
-from verifiers.base import Verifier
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.registry import register_verifier
+from decoders.engine.sampling import SamplingConfig
+from decoders.engine.verifier import Verifier
 
 
 def greedy_walk(draft: Draft, target_logits: torch.Tensor) -> Acceptance:

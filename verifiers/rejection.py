@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from decoders.draft import Acceptance, Draft
-from decoders.registry import register_verifier
-from decoders.sampling import SamplingConfig, processed_probs, sample
-from verifiers.base import Verifier
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.registry import register_verifier
+from decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from decoders.engine.verifier import Verifier
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Names: ``target_probs[row]`` is p, the target's processed distribution at a node
 (row 0: after the pending token; row i + 1: after draft node i); ``draft_probs[i]``
-is q_i, the distribution node i's token was drawn from. See decoders/draft.py for
+is q_i, the distribution node i's token was drawn from. See decoders/engine/draft.py for
 accepted / correction / bonus tokens.
 
 At temperature 0 the verifier follows the target's argmax through the tree
@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import torch
 
-from decoders.draft import Acceptance, Draft
-from decoders.registry import register_verifier
-from decoders.sampling import SamplingConfig, processed_probs, sample
-from verifiers.base import Verifier
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.registry import register_verifier
+from decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from decoders.engine.verifier import Verifier
 from verifiers.greedy import greedy_walk
 from verifiers.rejection import point_mass, residual_distribution
 

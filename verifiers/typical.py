@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from decoders.draft import Acceptance, Draft
-from decoders.registry import register_verifier
-from decoders.sampling import SamplingConfig, processed_probs, sample
-from verifiers.base import Verifier
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.registry import register_verifier
+from decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from decoders.engine.verifier import Verifier
 from verifiers.greedy import greedy_walk
 
 

@@ -1,0 +1,204 @@
+"""The decode loop: standard decoding and speculative decoding are one loop.
+
+    prefill(prompt)                       -> the target chooses the first token
+    loop until EOS / stop string / max_new_tokens:
+        draft  = proposer.propose(state)  (empty without a proposer)
+        logits = target.forward([pending] + draft)    ONE pass, tree mask if needed
+        result = verifier.verify(draft, logits)       accepted path + 1 target token
+        target.keep(accepted)             rejected nodes' KV entries dropped
+        proposer.observe(state, result)
+
+With no proposer every round verifies an empty draft, i.e. emits one target
+token per pass: that is standard decoding, the baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import build, verifier_registry
+from decoders.engine.sampling import SamplingConfig, check_finite, next_token
+from decoders.engine.state import DecodeState
+from decoders.engine.verifier import Verifier
+from decoders.models.session import ModelSession
+
+
+@dataclass
+class GenerationStats:
+    """Counters for one request. Times are wall seconds."""
+
+    new_tokens: int = 0
+    target_passes: int = 0  # decode-phase target passes (rounds), prefill excluded
+    proposed: int = 0  # draft tokens the target verified
+    accepted: int = 0  # of those, accepted
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    wall_time: float = 0.0
+    draft_sizes: list[int] = field(default_factory=list)  # per round
+    emitted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """tau: tokens emitted per decode-phase target pass, bonus token included."""
+        return sum(self.emitted_per_round) / max(self.target_passes, 1)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_passes": self.target_passes,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_s": self.tokens_per_s,
+            "prefill_time": self.prefill_time,
+            "draft_time": self.draft_time,
+            "verify_time": self.verify_time,
+            "wall_time": self.wall_time,
+        }
+
+
+@dataclass
+class StopConditions:
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    tokenizer: object | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the output")
+
+    def cut(self, output: list[int], new: list[int]) -> tuple[list[int], bool]:
+        """The part of ``new`` to emit after ``output``, and whether generation ends."""
+        budget = self.max_new_tokens - len(output)
+        done = len(new) >= budget
+        new = new[:budget]
+        for i, token in enumerate(new):
+            if token in self.eos_token_ids:
+                return new[: i + 1], True
+        if self.stop_strings:
+            for i in range(len(new)):
+                if self._ends_in_stop(output + new[: i + 1]):
+                    return new[: i + 1], True
+        return new, done
+
+    def _ends_in_stop(self, tokens: list[int]) -> bool:
+        window = max(len(s) for s in self.stop_strings) + 1  # a token is at least one character
+        text = self.tokenizer.decode(tokens[-window:])  # type: ignore[union-attr]
+        return any(stop in text for stop in self.stop_strings)
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[int]  # generated tokens (prompt excluded)
+    stats: GenerationStats
+
+
+def default_verifier(sampling: SamplingConfig) -> str:
+    """The verifier used where none is configured, the one place it is chosen:
+    greedy at temperature 0, rejection sampling otherwise (both lossless)."""
+    return "greedy" if sampling.greedy else "rejection"
+
+
+def standard_verifier(sampling: SamplingConfig) -> Verifier:
+    """The verifier standard decoding uses on its empty drafts: it just picks the
+    target's token (argmax, or a sample from the processed distribution)."""
+    return build(verifier_registry, default_verifier(sampling))
+
+
+def decode(
+    target: ModelSession,
+    prompt_ids: list[int],
+    stop: StopConditions,
+    sampling: SamplingConfig,
+    proposer: Proposer | None = None,
+    verifier: Verifier | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationOutput:
+    """Generate after ``prompt_ids``: standard decoding without a proposer, else speculative."""
+    if proposer is not None and verifier is None:
+        raise ValueError("a proposer needs a verifier")
+    if verifier is None:
+        verifier = standard_verifier(sampling)
+    verifier.check(sampling)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if target.max_positions and len(prompt_ids) + stop.max_new_tokens > target.max_positions:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({stop.max_new_tokens}) exceeds "
+            f"the model's context of {target.max_positions} tokens; shorten the prompt or lower "
+            "max_new_tokens."
+        )
+    stats = GenerationStats()
+    generator = sampling.generator(target.device)
+    start = time.perf_counter()
+
+    target.reset()
+    logits = target.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
+    check_finite(logits, "prefill")
+    first = next_token(logits, sampling, generator)
+    stats.prefill_time = time.perf_counter() - start
+    output, done = stop.cut([], [first])
+    if on_tokens:
+        on_tokens(output)
+    state = DecodeState(list(prompt_ids) + output, len(prompt_ids), sampling, generator, target)
+    if proposer is not None:
+        proposer.begin(state)
+
+    while not done:
+        tick = time.perf_counter()
+        draft = Draft.empty() if proposer is None else proposer.propose(state)
+        # Tokens past max_new_tokens would be thrown away: don't draft them.
+        budget = stop.max_new_tokens - len(output)
+        draft = verifier.prepare(draft.truncated(budget - 1))
+        tock = time.perf_counter()
+
+        block_start = len(target)
+        parents = None if draft.is_chain else [-1] + [p + 1 for p in draft.parents]
+        block = [state.tokens[-1]] + draft.tokens
+        if proposer is None:
+            target_logits = target.forward(block, parents)  # (n + 1, vocab)
+        else:  # the proposer may reuse work done while drafting (default: target.forward)
+            target_logits = proposer.verify_forward(target, block, parents)
+        check_finite(target_logits, "target's verification pass")
+        acceptance: Acceptance = verifier.verify(draft, target_logits, sampling, generator)
+        state.committed_rows = [0] + [node + 1 for node in acceptance.path]
+        target.keep(block_start, state.committed_rows)
+        state.hidden_row = state.committed_rows[-1]
+
+        new, done = stop.cut(output, acceptance.tokens)
+        output.extend(new)
+        state.tokens.extend(new)
+        stats.target_passes += 1
+        stats.proposed += len(draft)
+        stats.accepted += acceptance.num_accepted
+        stats.draft_sizes.append(len(draft))
+        stats.emitted_per_round.append(len(new))
+        stats.verify_time += time.perf_counter() - tock
+        if on_tokens:
+            on_tokens(new)
+        if proposer is not None and not done:
+            proposer.observe(state, acceptance)
+        stats.draft_time += tock - tick
+
+    if proposer is not None:
+        proposer.finish(state)
+    stats.new_tokens = len(output)
+    stats.wall_time = time.perf_counter() - start
+    return GenerationOutput(output, stats)

@@ -1,0 +1,191 @@
+"""The Python API: a target model + a proposer + a verifier = a pipeline.
+
+    from decoders import Pipeline
+    pipe = Pipeline.load(model="smollm2-135m", proposer="ngram", verifier="greedy")
+    result = pipe.generate("Summarize: ...", max_new_tokens=64)
+    print(result.text, result.stats.mean_accepted_tokens)
+
+Without a proposer, a pipeline decodes normally (the standard baseline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from decoders.engine.context import PipelineContext
+from decoders.engine.decoding import GenerationStats, StopConditions, decode, default_verifier
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import build, proposer_registry, verifier_registry
+from decoders.engine.sampling import SamplingConfig
+from decoders.engine.verifier import Verifier
+from decoders.models.cost import CostCurve
+from decoders.models.loading import ModelConfig, load_model
+from decoders.models.session import ModelSession
+
+ComponentSpec = str | dict | Any  # a registered name, a config mapping (with `name`), or an instance
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stats: GenerationStats
+
+
+class Pipeline:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None,
+        proposer: ComponentSpec | None = None,
+        verifier: ComponentSpec | None = None,
+        sampling: SamplingConfig | None = None,
+        *,
+        model_config: ModelConfig | None = None,
+        artifacts_dir: str | Path = "artifacts",
+        max_new_tokens: int = 128,
+        stop_strings: Sequence[str] = (),
+        chat_template: bool = True,
+        cost_curve: CostCurve | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampling = sampling or SamplingConfig()
+        self.context = PipelineContext(
+            model, tokenizer, model_config or ModelConfig(name="hf"), Path(artifacts_dir), cost_curve
+        )
+        self.proposer: Proposer | None = self._component(proposer, proposer_registry, Proposer)
+        if verifier is None and self.proposer is not None:
+            verifier = default_verifier(self.sampling)
+        self.verifier: Verifier | None = self._component(verifier, verifier_registry, Verifier)
+        if self.verifier is not None:
+            self.verifier.check(self.sampling)
+        self.max_new_tokens = max_new_tokens
+        self.stop_strings = tuple(stop_strings)
+        self.chat_template = chat_template
+        self.session = ModelSession(model)
+        self.label: str | None = None  # a name for results tables (default proposer+verifier)
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def load(
+        cls,
+        model: str | ModelConfig = "smollm2-135m",
+        proposer: ComponentSpec | None = None,
+        verifier: ComponentSpec | None = None,
+        sampling: SamplingConfig | None = None,
+        **kwargs: Any,
+    ) -> Pipeline:
+        """Load a model by config name (or ModelConfig) and build the pipeline."""
+        model_config = ModelConfig(name=model) if isinstance(model, str) else model
+        target, tokenizer = load_model(model_config)
+        return cls(target, tokenizer, proposer, verifier, sampling, model_config=model_config, **kwargs)
+
+    def with_components(
+        self,
+        proposer: ComponentSpec | None,
+        verifier: ComponentSpec | None,
+        sampling: SamplingConfig | None = None,
+    ) -> Pipeline:
+        """Another pipeline over the same loaded target (no reload)."""
+        return Pipeline(
+            self.model,
+            self.tokenizer,
+            proposer,
+            verifier,
+            sampling or self.sampling,
+            model_config=self.context.model_config,
+            artifacts_dir=self.context.artifacts_dir,
+            max_new_tokens=self.max_new_tokens,
+            stop_strings=self.stop_strings,
+            chat_template=self.chat_template,
+            cost_curve=self.context.fixed_cost_curve,
+        )
+
+    def _component(self, spec: ComponentSpec | None, registry, base: type) -> Any:
+        if spec is None or isinstance(spec, base):
+            return spec
+        return build(registry, spec, context=self.context)
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        if self.proposer is None:
+            return "standard"
+        return f"{self.proposer.name}+{self.verifier.name}"  # type: ignore[union-attr]
+
+    # ---------------------------------------------------------------- generating
+
+    def encode(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
+        """Token ids for a prompt: text (through the chat template unless disabled),
+        chat messages, or ids passed through."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if self.chat_template and self.tokenizer.chat_template:
+                encoded = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True
+                )
+                ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+                return list(ids)
+            return self.tokenizer.encode(messages[-1]["content"])
+        return [int(t) for t in prompt]
+
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        max_new_tokens: int | None = None,
+        *,
+        seed: int | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """Generate a continuation. ``on_tokens`` gets each round's new token ids,
+        ``on_text`` the new text, as they are produced."""
+        prompt_ids = self.encode(prompt)
+        sampling = self.sampling if seed is None else replace(self.sampling, seed=seed)
+        stop = StopConditions(
+            max_new_tokens or self.max_new_tokens, self.eos_token_ids(), self.stop_strings, self.tokenizer
+        )
+        callback = on_tokens
+        if on_text is not None:
+            callback = self._text_streamer(on_text, on_tokens)
+        output = decode(self.session, prompt_ids, stop, sampling, self.proposer, self.verifier, callback)
+        text = self.tokenizer.decode(output.tokens, skip_special_tokens=True) if self.tokenizer else ""
+        return GenerationResult(text, output.tokens, len(prompt_ids), output.stats)
+
+    def _text_streamer(
+        self, on_text: Callable[[str], None], on_tokens: Callable[[list[int]], None] | None
+    ) -> Callable[[list[int]], None]:
+        generated: list[int] = []
+        shown = [0]
+
+        def callback(tokens: list[int]) -> None:
+            if on_tokens:
+                on_tokens(tokens)
+            generated.extend(tokens)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)  # type: ignore[union-attr]
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait
+                return
+            on_text(text[shown[0] :])
+            shown[0] = len(text)
+
+        return callback

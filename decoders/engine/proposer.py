@@ -1,0 +1,109 @@
+"""The Proposer contract: who guesses the next tokens.
+
+A proposer is built once per pipeline from its ``Config`` and a
+:class:`~decoders.engine.context.PipelineContext` (target model, tokenizer, model
+config), then serves one request at a time:
+
+    begin(state)      a new request starts (prompt known, nothing generated)
+    propose(state)    return a Draft: tokens as a tree, optionally with draft_probs
+    observe(state, acceptance)
+                      the verifier's decision; sync any private state
+    finish(state)     the request is done (its tokens are final)
+
+``state`` is the :class:`~decoders.engine.state.DecodeState` of the request. A
+proposer decides its draft's shape from its own config, never from the verifier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.sampling import processed_probs, sample
+
+if TYPE_CHECKING:
+    from decoders.engine.context import PipelineContext
+    from decoders.engine.state import DecodeState
+    from decoders.models.session import ModelSession
+
+
+class Proposer:
+    name: ClassVar[str]
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, config: Proposer.Config, context: PipelineContext) -> None:
+        self.config = config
+        self.context = context
+
+    @property
+    def sampled(self) -> bool:
+        """True if this proposer, as configured, draws its tokens from the draft_probs
+        it returns when sampling; False if it chooses them deterministically
+        (draft_probs None). A property of the instance: the same class can do either
+        (a draft model's chains sample, its trees do not)."""
+        return False
+
+    def begin(self, state: DecodeState) -> None:
+        """Reset per-request state."""
+
+    def propose(self, state: DecodeState) -> Draft:
+        raise NotImplementedError
+
+    def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
+        """Called after each round with what the verifier decided."""
+
+    def finish(self, state: DecodeState) -> None:
+        """The request is done; ``state.tokens`` holds its prompt and whole output.
+        A proposer with memory across requests (``suffix``) learns from it here."""
+
+    def forget(self) -> None:
+        """Drop what earlier requests left in memory, back to the state after construction.
+        The benchmark calls it after warm-up, so measured requests start alike."""
+
+    def verify_forward(
+        self, target: ModelSession, tokens: list[int], parents: list[int] | None
+    ) -> torch.Tensor:
+        """The target's verification pass over ``tokens`` = [pending] + draft tokens,
+        (len(tokens), vocab) logits; ``parents`` as in :meth:`ModelSession.forward`.
+
+        The default is one ordinary target pass. A proposer that already computed
+        part of this pass while drafting (early exit: the target's own shallow
+        layers) overrides it to reuse that work; it must return the same logits
+        (up to floating-point order) and leave ``target`` exactly as
+        ``target.forward`` would (all layers' KV entries, ``cached``, ``hidden``).
+        """
+        return target.forward(tokens, parents)
+
+    def describe(self) -> dict:
+        """Facts about the proposer worth recording with results."""
+        return {}
+
+
+def draft_token(
+    logits: torch.Tensor, state: DecodeState, with_confidence: bool
+) -> tuple[int, torch.Tensor | None, float]:
+    """One autoregressive draft step from the drafter's ``logits`` (vocab,):
+    (token index, its processed distribution q when sampling else None, confidence).
+
+    Greedy: the argmax; sampling: a draw from q after the request's
+    temperature / top-k / top-p. Confidence is the drafter's top probability
+    (1.0 unless ``with_confidence``), for ending a draft where the drafter
+    itself is unsure (``min_confidence``: a wrong token ends every later one).
+    It is the top probability, not the drawn token's: a stop that depended on
+    which token was drawn would leave the drafted tokens distributed as q
+    restricted to the confident ones, and acceptance with min(1, p/q) would then
+    no longer give p. A stop that depends only on q keeps sampling lossless.
+    """
+    if state.sampling.greedy:
+        token = int(logits.argmax())
+        confidence = float(torch.softmax(logits.float(), -1).max()) if with_confidence else 1.0
+        return token, None, confidence
+    probs = processed_probs(logits, state.sampling)  # (vocab,) float32
+    token = int(sample(probs, state.generator))
+    return token, probs, float(probs.max()) if with_confidence else 1.0

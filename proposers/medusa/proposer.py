@@ -1,0 +1,367 @@
+"""The Medusa proposer: drafts from the heads (:mod:`proposers.medusa.heads`).
+
+Drafts are token trees filled level by level (a chain is the tree whose every
+node has one child); a node's token comes from the distribution its parent's
+path gives the node's head: for Medusa-1 heads that is the head's one
+distribution, for sequential heads the head given the drafted path.
+
+* chain (``tree: null``): each head's top-1 token; when sampling, each token is
+  drawn from ``processed_probs`` of its head's logits and those rows are the
+  draft_probs. Rejection sampling only needs each token to come from its
+  stated row given the tokens before it, so this stays lossless.
+* tree: Medusa "choices", a list of paths of top-k ranks per head, e.g.
+  ``[[0], [1], [0, 0], [0, 1], [1, 0]]``; node ``[0, 1]`` is head 1's
+  second-ranked token under head 0's top token. Paths are ordered so the
+  all-0 path is the principal path (what chain verifiers keep). ``"auto"``
+  takes the tree stored with the artifact, built from the heads' measured
+  per-rank accuracies. When sampling, siblings are i.i.d. draws from their
+  shared distribution.
+* dynamic tree (``tree: dynamic``): grown each round from the heads' own
+  confidence (decoders/sizing/dynamic_tree.py, the mechanism the draft model's trees
+  use): ``tree_width`` frontier nodes per level expanded into their
+  ``tree_width`` most probable children, then the best ``tree_budget`` nodes, or
+  with ``tree_budget: auto`` each round's best size from the target's cost and
+  the acceptance measured per depth and confidence. Deterministic at every
+  temperature (the tree verifier's point-mass rule).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoders.engine.context import artifact_source
+from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import register_proposer
+from decoders.engine.sampling import check_finite, processed_probs, sample
+from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
+from decoders.sizing.draft_length import DraftLengthPolicy, confidence_bucket
+from decoders.sizing.dynamic_tree import DynamicTree
+from decoders.sizing.tree_budget import AcceptanceProfile, BudgetTuner
+from proposers.copy_attention import ContextMemory
+from proposers.medusa.artifact import CONFIG_FILE, load_artifact, train_command
+from proposers.medusa.heads import MedusaHeads
+from proposers.vocabulary import on_vocabulary
+
+# ---------------------------------------------------------------- trees
+
+
+def build_tree(choices: list[list[int]], num_heads: int) -> tuple[list[int], list[int], list[int]]:
+    """Medusa choice paths -> (depths, ranks, parents) of the draft nodes.
+
+    Paths are sorted by (length, ranks), so parents precede children and each
+    node's first child is its rank-0 child: the all-0 path is the principal path.
+    """
+    paths = sorted((tuple(int(r) for r in path) for path in choices), key=lambda p: (len(p), p))
+    index: dict[tuple[int, ...], int] = {}
+    depths, ranks, parents = [], [], []
+    for path in paths:
+        if not path or min(path) < 0:
+            raise ValueError(f"proposer.tree path {list(path)} must be a non-empty list of ranks >= 0")
+        if len(path) > num_heads:
+            raise ValueError(f"proposer.tree path {list(path)} is deeper than the {num_heads} heads in use")
+        if path in index:
+            raise ValueError(f"proposer.tree lists path {list(path)} twice")
+        if len(path) > 1 and path[:-1] not in index:
+            raise ValueError(f"proposer.tree path {list(path)} needs its prefix {list(path[:-1])} too")
+        index[path] = len(depths)
+        depths.append(len(path) - 1)
+        ranks.append(path[-1])
+        parents.append(index[path[:-1]] if len(path) > 1 else -1)
+    return depths, ranks, parents
+
+
+def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int]]:
+    """The ``num_nodes`` paths with the highest expected acceptance.
+
+    rank_accuracy[k][r]: how often head k's rank-r token is the right one.
+    Treating heads as independent, a path is accepted with the product of its
+    ranks' accuracies, and tau = 1 + the sum of that over the tree's nodes; a
+    path never beats its prefix, so taking the best paths one by one keeps the
+    tree closed under prefixes.
+    """
+    chosen: list[list[int]] = []
+    frontier = [(-acc, (rank,)) for rank, acc in enumerate(rank_accuracy[0])]
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < num_nodes:
+        negative_value, path = heapq.heappop(frontier)
+        chosen.append(list(path))
+        if len(path) < len(rank_accuracy):
+            for rank, acc in enumerate(rank_accuracy[len(path)]):
+                heapq.heappush(frontier, (negative_value * acc, path + (rank,)))
+    return chosen
+
+
+# ---------------------------------------------------------------- proposer
+
+
+class _HeadOutputs:
+    """The heads' logits for one draft, over the draft vocabulary's rows (token ids
+    only for the chosen tokens), computed as the tree grows.
+
+    ``logits[p]`` holds the logits of the children of node p (-1 =
+    the root, i.e. depth-0 nodes): for Medusa heads head depth(p)+1's logits from
+    ``h``, the same for every parent; for sequential heads the logits of that head
+    given p's path, computed by ``expand`` (batched over a level's parents).
+    """
+
+    def __init__(
+        self, heads: MedusaHeads, state, num_heads: int, memory: ContextMemory | None = None
+    ) -> None:
+        self.heads = heads
+        self.memory = memory  # copy heads: the request's committed context
+        self.hidden = state.last_hidden  # (hidden,)
+        self.pending = state.tokens[-1]
+        self.num_heads = num_heads
+        self.fused: torch.Tensor | None = None  # (K, n) Medusa heads
+        self.states: dict[int, torch.Tensor] = {}  # node -> head state its children's head reads
+        self.logits: dict[int, torch.Tensor] = {}  # node -> (n,) its children's logits
+
+    def root(self) -> torch.Tensor:
+        if self.heads.sequential:
+            token = torch.tensor([self.pending], device=self.hidden.device)
+            states, logits = self.heads.step(0, self.hidden[None], token, self.memory)
+            self.states[-1], self.logits[-1] = states[0], logits[0]
+        else:
+            self.fused = self.heads.fused_logits(self.hidden, full=False)[: self.num_heads]  # (K, n)
+            self.logits[-1] = self.fused[0]
+        check_finite(self.fused if self.fused is not None else self.logits[-1], "Medusa heads")
+        return self.logits[-1]
+
+    def ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Drafting rows -> token ids: the memory's rows for copy heads, else the draft
+        vocabulary's (token ids themselves if the heads score every token)."""
+        if self.memory is not None:
+            return self.memory.token_ids(rows)
+        return rows if self.heads.draft_vocab is None else self.heads.draft_vocab[rows]
+
+    def token_ids(self, rows: list[int]) -> list[int]:
+        return self.ids(torch.tensor(rows, dtype=torch.long, device=self.hidden.device)).tolist()
+
+    def full_rows(self, probs: torch.Tensor) -> torch.Tensor:
+        """(B, rows) drafting distributions -> (B, vocab), 0 outside the rows."""
+        if self.memory is not None:
+            return self.memory.full_rows(probs)
+        return on_vocabulary(probs, self.heads.draft_vocab, self.heads.vocab_size)
+
+    def expand(self, nodes: list[int], tokens: list[int], parents: list[int], depth: int) -> None:
+        """Compute the children's distributions of ``nodes`` (all at ``depth``)."""
+        if not nodes:
+            return
+        if not self.heads.sequential:
+            for node in nodes:
+                self.logits[node] = self.fused[depth + 1]
+            return
+        previous = torch.stack([self.states[parents[node]] for node in nodes])  # (B, hidden)
+        rows = torch.tensor([tokens[node] for node in nodes], device=previous.device)  # (B,) draft-vocab rows
+        node_tokens = self.ids(rows)  # (B,) token ids, what the heads embed
+        states, logits = self.heads.step(depth + 1, previous, node_tokens, self.memory)
+        check_finite(logits, "Medusa heads")
+        for i, node in enumerate(nodes):
+            self.states[node], self.logits[node] = states[i], logits[i]
+
+
+@register_proposer("medusa")
+class MedusaProposer(Proposer):
+    @dataclass
+    class Config:
+        # Artifact directory; null = <artifacts_dir>/<target>/medusa.
+        path: str | None = None
+        # Heads used (the chain length); null = all the artifact has.
+        num_heads: int | None = None
+        # null = chain of top-1 tokens; a list of Medusa choice paths, e.g.
+        # [[0], [1], [0, 0]]; "auto" = the tree stored with the artifact; "dynamic" =
+        # grown each round from the heads' confidence (decoders/sizing/dynamic_tree.py).
+        tree: Any = None
+        # trees: nodes kept, the first N of the tree's paths (ordered by expected
+        # acceptance) or the N most probable of a dynamic tree's candidates; null = all;
+        # "auto" = chosen from the target's T(n) and the acceptance measured so far
+        # (decoders/sizing/tree_budget.py; per round for dynamic trees)
+        tree_budget: Any = None
+        tree_width: int = 4  # dynamic trees: children per expanded node, nodes expanded per level
+        # chains: cut each draft to the length that pays, from acceptance measured per
+        # first-head confidence and the target's T(n) (decoders/sizing/draft_length.py)
+        adaptive: bool = True
+
+    def __init__(self, config: Config, context) -> None:
+        super().__init__(config, context)
+        directory = Path(config.path) if config.path else context.artifact_path("medusa")
+        if not (directory / CONFIG_FILE).exists():
+            raise FileNotFoundError(
+                f"no Medusa heads for target {context.target_key!r} at {directory}. Train them with "
+                f"`{train_command(context, config.path)}`."
+            )
+        artifact = load_artifact(
+            directory, context.target.get_output_embeddings(), context.target.get_input_embeddings()
+        )
+        self.heads = artifact.heads
+        self.artifact = artifact_source(directory)
+        if routes_narrow_linears(context.target):  # a dynamic tree's levels are narrow passes too
+            route_narrow_linears(self.heads)
+        self.meta = artifact.meta
+        self.num_heads = config.num_heads or self.heads.num_heads
+        if not 1 <= self.num_heads <= self.heads.num_heads:
+            raise ValueError(
+                f"proposer.num_heads must be between 1 and the artifact's {self.heads.num_heads} heads, "
+                f"got {config.num_heads}"
+            )
+        self.dynamic = (
+            DynamicTree(config.tree_width, self.num_heads, config.tree_budget, context.cost_curve)
+            if config.tree == "dynamic"
+            else None
+        )
+        choices = self.meta.get("tree") if config.tree == "auto" else None if self.dynamic else config.tree
+        if config.tree == "auto" and not choices:
+            raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
+        self.tree = None if choices is None else build_tree(choices, self.num_heads)
+        self._choices = [list(c) for c in choices or []]  # in order of expected acceptance
+        self._trees = {len(self._choices): self.tree}  # node budget -> (depths, ranks, parents)
+        self.profile = AcceptanceProfile()
+        budget = config.tree_budget
+        if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
+            raise ValueError(f"proposer.tree_budget must be null, a positive integer or auto, got {budget!r}")
+        auto = budget == "auto" and self.tree is not None
+        self.tuner = BudgetTuner(self.profile, context.cost_curve, len(self._choices)) if auto else None
+        self._last_tree: Draft | None = None
+        self._draft_seconds = 0.0
+        self.policy = DraftLengthPolicy(self.num_heads, context.cost_curve) if config.adaptive else None
+        self._last: tuple[int, int] | None = None  # (policy key, draft length) of the round
+        self.memory: ContextMemory | None = None  # copy heads: the request's committed context
+
+    @property
+    def sampled(self) -> bool:
+        return self.dynamic is None  # dynamic trees are deterministic
+
+    @torch.inference_mode()
+    def propose(self, state) -> Draft:
+        tick = time.perf_counter()
+        draft = self._propose(state)
+        self._draft_seconds = time.perf_counter() - tick
+        return draft
+
+    def begin(self, state) -> None:
+        self.memory = None if self.heads.copy is None else self.heads.context_memory()
+
+    def _remember(self, state) -> None:
+        """Copy heads: store the positions committed since the last round (the prompt
+        at the first), each with its hidden state, its token and the token after it."""
+        committed = len(state.tokens) - 1  # positions before the pending token
+        start = len(self.memory)
+        hidden = state.committed_hidden  # (c, hidden)
+        if start + len(hidden) != committed:
+            raise RuntimeError(
+                f"the copy heads' memory holds {start} positions and the last pass committed {len(hidden)}, "
+                f"but the request has {committed}: call begin() at each request and propose() every round"
+            )
+        self.memory.extend(hidden, state.tokens[start:committed], state.tokens[start + 1 : committed + 1])
+
+    def _propose(self, state) -> Draft:
+        sampling = state.sampling
+        if self.heads.copy is not None:
+            if self.memory is None:  # the first request, begin() not called
+                self.memory = self.heads.context_memory()
+            self._remember(state)
+        outputs = _HeadOutputs(self.heads, state, self.num_heads, self.memory)
+        root = outputs.root()  # (n,) head 0's logits over the draft vocabulary
+        if self.dynamic is not None:
+
+            def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
+                outputs.expand(frontier, rows, parents, depth)
+                return torch.stack([outputs.logits[node] for node in frontier])  # (f, n)
+
+            draft = self.dynamic.build(root, expand, "Medusa heads")
+            self._last_tree = Draft(outputs.token_ids(draft.tokens), draft.parents)
+            return self._last_tree
+        if self.tree is not None:
+            draft = self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
+            self._last_tree = draft
+            return draft
+        length = self.num_heads
+        if self.policy is not None:  # the cut depends on q only: sampling stays lossless
+            first = torch.softmax(root.float(), -1) if sampling.greedy else processed_probs(root, sampling)
+            key = confidence_bucket(float(first.max()))
+            length = self.policy.choose(key, self.num_heads)
+            self._last = (key, length)
+            if length == 0:
+                return Draft.empty()
+        chain = list(range(length))
+        return self._draft_tree(
+            outputs, chain, [0] * length, [d - 1 for d in chain], sampling, state.generator
+        )
+
+    @staticmethod
+    def _draft_tree(outputs, depths, ranks, parents, sampling, generator) -> Draft:
+        """Fill the tree shape (nodes ordered by depth) level by level: a node's token
+        is its rank among, or (sampling) a draw from, the distribution its parent's
+        path gives the node's head; siblings share that distribution."""
+        tokens = [0] * len(depths)
+        probs: list[torch.Tensor] = [None] * len(depths)  # type: ignore[list-item]
+        has_children = {p for p in parents if p >= 0}
+        for depth in range(max(depths) + 1):
+            level = [i for i, d in enumerate(depths) if d == depth]
+            owners = list(dict.fromkeys(parents[i] for i in level))  # parents of this level, -1 = root
+            logits = torch.stack([outputs.logits[p] for p in owners])  # (P, n) filled by root() and expand()
+            row = [owners.index(parents[i]) for i in level]
+            if sampling.greedy:  # tokens hold rows of the draft vocabulary until the end
+                top = logits.topk(max(ranks[i] for i in level) + 1, dim=-1).indices  # (P, ranks)
+                for i, r in zip(level, row):
+                    tokens[i] = int(top[r, ranks[i]])
+            else:
+                level_probs = processed_probs(logits, sampling)[row]  # (len(level), vocab) float32
+                for i, token, p in zip(level, sample(level_probs, generator).tolist(), level_probs):
+                    tokens[i], probs[i] = token, p
+            outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
+        draft_probs = None if sampling.greedy else outputs.full_rows(torch.stack(probs))  # (nodes, vocab)
+        return Draft(outputs.token_ids(tokens), parents, draft_probs)
+
+    def _budget_tree(self) -> tuple[list[int], list[int], list[int]]:
+        """The tree of the first ``budget`` paths (closed under prefixes: a path never
+        ranks above its prefix), built once per budget."""
+        budget = self.tuner.budget if self.tuner is not None else self.config.tree_budget
+        budget = min(budget or len(self._choices), len(self._choices))
+        if budget not in self._trees:
+            self._trees[budget] = build_tree(self._choices[:budget], self.num_heads)
+        return self._trees[budget]
+
+    def observe(self, state, acceptance) -> None:
+        if self._last_tree is not None and self.dynamic is not None:
+            self.dynamic.record(
+                self._last_tree, follow_tokens(self._last_tree, acceptance.tokens), self._draft_seconds
+            )
+            self._last_tree = None
+        if self._last_tree is not None and self.tuner is not None:
+            self.profile.record(self._last_tree, follow_tokens(self._last_tree, acceptance.tokens))
+            self.tuner.observe_draft_seconds(self._draft_seconds)  # re-chooses the budget every few rounds
+            self._last_tree = None
+        if self._last is not None and self.policy is not None:
+            key, length = self._last
+            self.policy.record(key, length, acceptance.num_accepted)
+            self._last = None
+
+    def describe(self) -> dict:
+        if self.dynamic is not None:
+            return {
+                "artifact": self.artifact,
+                "num_heads": self.num_heads,
+                "sequential_heads": self.heads.sequential,
+                **self.dynamic.describe(),
+            }
+        return {
+            "artifact": self.artifact,
+            "draft_length_rates": self.policy.as_dict() if self.policy is not None else None,
+            "num_heads": self.num_heads,
+            "sequential_heads": self.heads.sequential,
+            "copy_heads": self.heads.copy is not None,
+            "tree_nodes": None if self.tree is None else len(self._budget_tree()[0]),
+            "tree_budget_auto": self.tuner is not None,
+            "acceptance_by_depth_rank": self.profile.as_dict() if self.tuner is not None else None,
+            "draft_vocab_size": None if self.heads.draft_vocab is None else len(self.heads.draft_vocab),
+            "trainable_parameters": self.meta.get("trainable_parameters"),
+            "heads_top1_heldout": self.meta.get("metrics", {}).get("top1"),
+        }

@@ -1,0 +1,147 @@
+"""The layout's promises: no import cycle anywhere, and the engine imports no plugin.
+
+The graph is built from the source with ``ast`` (every ``import`` and ``from ...
+import`` that runs, those under ``if TYPE_CHECKING:`` included, so a cycle hidden
+from the interpreter is still one for a reader), over the project's packages.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("decoders", "proposers", "verifiers", "train")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {
+        module_name(path): path
+        for package in PACKAGES
+        for path in sorted((REPO_ROOT / package).rglob("*.py"))
+        if "shipped" not in path.parts
+    }
+
+
+def imported(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The project modules ``module`` imports (``from a import b`` counts a.b when
+    it is a module, else a)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                names.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {name for name in names if name in known and name != module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    known = set(modules)
+    return {
+        name: imported(ast.parse(path.read_text()), name, path.name == "__init__.py", known)
+        for name, path in modules.items()
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for child in sorted(graph[node]):
+            if state.get(child) == 1:
+                return path[path.index(child) :] + [child]
+            if child not in state and (cycle := visit(child)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_project_has_no_import_cycle():
+    graph = import_graph()
+    assert {"decoders.engine.decoding", "proposers.ngram", "verifiers.greedy", "train.job"} <= set(graph)
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_engine_imports_no_plugin():
+    """Nothing in decoders.engine, models or sizing names a proposer or verifier module."""
+    graph = import_graph()
+    core = [
+        m
+        for m in graph
+        if m.split(".")[:2] in (["decoders", "engine"], ["decoders", "models"], ["decoders", "sizing"])
+    ]
+    for module in core:
+        plugins = {m for m in graph[module] if m.split(".")[0] in ("proposers", "verifiers")}
+        assert not plugins, f"{module} imports {plugins}"
+
+
+def test_importing_decoders_leaves_the_plugins_unimported():
+    code = (
+        "import sys, decoders\n"
+        "from decoders.engine.registry import proposer_registry, verifier_registry\n"
+        "assert 'ngram' in proposer_registry.names() and 'greedy' in verifier_registry.names()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('proposers', 'verifiers')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
+
+
+#: The layers, lowest first: a module imports only from its own layer or lower ones
+#: (the registries reach proposers and verifiers by module name, not by import).
+LAYERS = (
+    ("decoders.models",),
+    ("decoders.engine",),
+    ("decoders.sizing",),
+    ("proposers", "verifiers"),
+    ("decoders.cli",),
+    ("decoders.evaluation",),
+    ("decoders",),  # the package's public names and the command-line entry points
+    ("train",),
+)
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    name = ".".join(parts[:2]) if parts[0] == "decoders" and len(parts) > 2 else parts[0]
+    return next(rank for rank, names in enumerate(LAYERS) if name in names)
+
+
+def test_nothing_imports_upward():
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    )
+    assert not upward, upward
