@@ -4,6 +4,7 @@ import decoders  # noqa: F401  (the engine first, so `import proposers` alone wo
 from proposers import (  # noqa: F401  (registration)
     draft_model,
     early_exit,  # noqa: F401  (registration)
+    eagle,  # noqa: F401  (registration)
     medusa,  # noqa: F401  (registration)
     merge,
     ngram,
