@@ -57,6 +57,7 @@ from decoders.context import artifact_source
 from decoders.draft import Draft, follow_tokens
 from decoders.draft_length import DraftLengthPolicy, confidence_bucket
 from decoders.dynamic_tree import DynamicTree
+from decoders.kernels import route_narrow_linears, routes_narrow_linears
 from decoders.registry import register_proposer
 from decoders.sampling import check_finite
 from decoders.session import ModelSession
@@ -205,7 +206,7 @@ def target_features(
         values = final_hidden if index == num_layers else tap.output(index - 1)
         if len(values) != len(final_hidden):
             raise RuntimeError("the layer tap's outputs are not from the target's latest pass")
-        parts.append(values if rows is None else values[rows])
+        parts.append((values if rows is None else values[rows]).to(final_hidden.device))
     return torch.cat(parts, dim=-1)
 
 
@@ -284,6 +285,8 @@ class EagleProposer(Proposer):
             )
         artifact = load_artifact(directory, context.target)
         self.drafter = artifact.drafter
+        if routes_narrow_linears(context.target):  # drafting passes are narrow passes too
+            route_narrow_linears(self.drafter)
         self.meta = artifact.meta
         self.artifact = artifact_source(directory)
         self.num_target_layers = len(context.target.get_decoder().layers)
@@ -384,14 +387,18 @@ class EagleProposer(Proposer):
                 offset_of[node] = len(fed_parents)
                 fed_parents.append(offset_of[parents[node]])
             states = torch.stack([state_of[parents[node]] for node in frontier])  # (f, hidden)
-            tokens = self.token_ids[torch.tensor([rows[node] for node in frontier])].tolist()
+            tokens = self._ids([rows[node] for node in frontier])
             logits = self._step(states, tokens, fed_parents, tree_start)  # (f, n)
             for i, node in enumerate(frontier):
                 state_of[node] = self.session.hidden[i]
             return logits
 
         draft = self.dynamic.build(root_logits, expand, "EAGLE drafter")
-        return Draft(self.token_ids[torch.tensor(draft.tokens, dtype=torch.long)].tolist(), draft.parents)
+        return Draft(self._ids(draft.tokens), draft.parents)
+
+    def _ids(self, rows: list[int]) -> list[int]:
+        """Rows of the draft vocabulary -> token ids."""
+        return self.token_ids[torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)].tolist()
 
     def observe(self, state, acceptance) -> None:
         if self._last_tree is not None:
