@@ -85,17 +85,26 @@ def resolve_layers(feature_layers: list[int] | None, num_layers: int) -> list[in
 
 
 class LayerTap:
-    """The outputs of chosen decoder layers in the target's latest pass (forward hooks).
+    """The outputs of chosen decoder layers in the target's passes (forward hooks).
 
-    One tap per target model, shared by every proposer on it; the hooks only keep a
-    reference to each watched layer's output, so passes cost nothing more."""
+    One tap per target model, shared by every proposer on it. The hooks keep a
+    reference to each watched layer's output, filed under the pass's final hidden
+    states (the decoder's output) for the last ``KEPT`` passes used: a session that
+    serves a pass from its cache (the audit's repeated prefills) still gets the
+    features of the pass that made its ``hidden``. Passes cost nothing more. (The
+    entries hold their final hidden states, so no later tensor shares their memory.)"""
+
+    KEPT = 8
 
     _taps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers = model.get_decoder().layers
-        self.outputs: dict[int, torch.Tensor] = {}  # decoder layer -> (batch, q, hidden)
+        decoder = model.get_decoder()
+        self.layers = decoder.layers
         self._hooks: dict[int, Any] = {}
+        self._current: dict[int, torch.Tensor] = {}  # this pass so far: layer -> (batch, q, hidden)
+        self._passes: list[tuple[torch.Tensor, dict[int, torch.Tensor]]] = []  # (final hidden, outputs), newest last
+        decoder.register_forward_hook(self._file_pass)
 
     @classmethod
     def of(cls, model: nn.Module) -> LayerTap:
@@ -110,15 +119,24 @@ class LayerTap:
 
     def _keeper(self, layer: int):
         def keep(module, inputs, output) -> None:
-            self.outputs[layer] = output[0] if isinstance(output, tuple) else output
+            self._current[layer] = output[0] if isinstance(output, tuple) else output
 
         return keep
 
-    def output(self, layer: int) -> torch.Tensor:
-        """(q, hidden) decoder layer ``layer``'s output in the latest pass (its first sequence)."""
-        if layer not in self.outputs:
-            raise RuntimeError(f"decoder layer {layer} has not run since it was watched")
-        return self.outputs[layer][0]
+    def _file_pass(self, module, inputs, output) -> None:
+        final = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        self._passes = [*self._passes[-(self.KEPT - 1) :], (final, self._current)]
+        self._current = {}
+
+    def outputs(self, final_hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        """layer -> (q, hidden) outputs of the pass whose final hidden states (its first
+        sequence's, as a session keeps them) are ``final_hidden``."""
+        for i in range(len(self._passes) - 1, -1, -1):
+            final, outputs = self._passes[i]
+            if final.data_ptr() == final_hidden.data_ptr():
+                self._passes.append(self._passes.pop(i))  # most recently used last
+                return {layer: values[0] for layer, values in outputs.items()}
+        raise RuntimeError("the target's latest pass did not run through its decoder: no layer features")
 
 
 class EagleDrafter(nn.Module):
@@ -202,8 +220,9 @@ def target_features(
     """(c, len(layers) * hidden) the target's features of the latest pass at ``rows``
     (None = all): intermediate layers from ``tap``, index L from ``final_hidden`` (q, hidden)."""
     parts = []
+    outputs = tap.outputs(final_hidden) if tap is not None and any(i < num_layers for i in layers) else {}
     for index in layers:
-        values = final_hidden if index == num_layers else tap.output(index - 1)
+        values = final_hidden if index == num_layers else outputs[index - 1]
         if len(values) != len(final_hidden):
             raise RuntimeError("the layer tap's outputs are not from the target's latest pass")
         parts.append((values if rows is None else values[rows]).to(final_hidden.device))
