@@ -103,7 +103,9 @@ class LayerTap:
         self.layers = decoder.layers
         self._hooks: dict[int, Any] = {}
         self._current: dict[int, torch.Tensor] = {}  # this pass so far: layer -> (batch, q, hidden)
-        self._passes: list[tuple[torch.Tensor, dict[int, torch.Tensor]]] = []  # (final hidden, outputs), newest last
+        self._passes: list[
+            tuple[torch.Tensor, dict[int, torch.Tensor]]
+        ] = []  # (final hidden, outputs), newest last
         decoder.register_forward_hook(self._file_pass)
 
     @classmethod
@@ -257,7 +259,11 @@ def load_artifact(directory: Path, target: nn.Module) -> EagleArtifact:
     weight = target.get_output_embeddings().weight
     vocab_size, hidden_size = weight.shape
     num_layers = len(target.get_decoder().layers)
-    if (meta["vocab_size"], meta["hidden_size"], meta["num_target_layers"]) != (vocab_size, hidden_size, num_layers):
+    if (meta["vocab_size"], meta["hidden_size"], meta["num_target_layers"]) != (
+        vocab_size,
+        hidden_size,
+        num_layers,
+    ):
         raise ValueError(
             f"the EAGLE drafter in {directory} was trained for a target with vocab {meta['vocab_size']}, hidden "
             f"size {meta['hidden_size']} and {meta['num_target_layers']} layers, but this target has "
@@ -315,10 +321,14 @@ class EagleProposer(Proposer):
         self.session = ModelSession(self.drafter)
         self.token_ids = self.drafter.vocabulary.token_ids.to(self.drafter.device)  # (n,) row -> token id
         self.dynamic = (
-            DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve) if config.tree else None
+            DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
+            if config.tree
+            else None
         )
         self.sampled = self.dynamic is None  # trees are deterministic
-        self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive and not config.tree else None
+        self.policy = (
+            DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive and not config.tree else None
+        )
         self._fed = 0  # committed positions in the draft's cache (fed with the target's features)
         self._last: tuple[int, int] | None = None  # chains: (policy key, length) of the round
         self._last_tree: Draft | None = None
@@ -357,7 +367,9 @@ class EagleProposer(Proposer):
                 f"the request has {committed}: call begin() at each request and propose() every round"
             )
         self.session.truncate(self._fed)
-        features = target_features(self.layers, self.num_target_layers, target.hidden, self.tap, rows)  # (c, F)
+        features = target_features(
+            self.layers, self.num_target_layers, target.hidden, self.tap, rows
+        )  # (c, F)
         following = state.tokens[start + 1 : committed + 1]
         inputs = self.drafter.inputs(
             self.drafter.fuse(features.to(self.drafter.dtype)),

@@ -88,7 +88,9 @@ def test_drafts_follow_the_training_time_test_forward(base):
     prompt = random_prompts(1, seed=6)[0]
     session = ModelSession(base.model)
     pending = int(session.forward(prompt)[-1].argmax())
-    state = DecodeState(prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session)
+    state = DecodeState(
+        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session
+    )
     proposer.begin(state)
     draft = proposer.propose(state)
     assert len(draft) == 3

@@ -93,7 +93,9 @@ def train(job: TrainJob) -> Path:
         if not job.is_main_process:
             return job.output_dir
         if not (job.output_dir / CONFIG_FILE).exists():
-            raise FileNotFoundError(f"train.eval.only=true, but there is no EAGLE artifact at {job.output_dir}")
+            raise FileNotFoundError(
+                f"train.eval.only=true, but there is no EAGLE artifact at {job.output_dir}"
+            )
         artifact = load_artifact(job.output_dir, target)
         drafter = artifact.drafter.float()
         metrics = measure(job, drafter, heldout, cfg)
@@ -121,8 +123,9 @@ def train(job: TrainJob) -> Path:
     rows = {"index": torch.arange(len(data["tokens"]))}
     loss_fn = ttt_loss(drafter, data, cfg)
     fingerprint = hashlib.sha1(
-        json.dumps({"drafter": asdict(cfg), "data": asdict(job.data_config), "positions": positions},
-                   sort_keys=True).encode()  # fmt: skip
+        json.dumps(
+            {"drafter": asdict(cfg), "data": asdict(job.data_config), "positions": positions}, sort_keys=True
+        ).encode()  # fmt: skip
     ).hexdigest()
     checkpoint = job.output_dir / "checkpoint"
     last = fit(drafter, rows, loss_fn, cfg, checkpoint, fingerprint, job.logger, job.resume, job.scale)
@@ -142,8 +145,12 @@ def train(job: TrainJob) -> Path:
         "metrics": metrics.pop("heldout"),
         "eval_metrics": metrics,
         "train_metrics": last,
-        "training": {"config": asdict(cfg), "data": asdict(job.data_config), "sequences": len(training),
-                     "positions": positions},  # fmt: skip
+        "training": {
+            "config": asdict(cfg),
+            "data": asdict(job.data_config),
+            "sequences": len(training),
+            "positions": positions,
+        },  # fmt: skip
     }
     save_artifact(peft_drafter, job.output_dir, meta, counts)
     checkpoints.remove(checkpoint)
@@ -200,7 +207,9 @@ def feature_data(job: TrainJob, sequences: list[Sequence], layers: list[int], ma
 
 
 @torch.inference_mode()
-def compute_features(target: nn.Module, tokens: list[list[int]], layers: list[int], show: bool) -> torch.Tensor:
+def compute_features(
+    target: nn.Module, tokens: list[list[int]], layers: list[int], show: bool
+) -> torch.Tensor:
     """(sum of n - 1, F) the features of every sequence's positions 0..n-2, concatenated."""
     num_layers = len(target.get_decoder().layers)
     tap = LayerTap.of(target)
@@ -259,7 +268,9 @@ def unrolled(drafter: EagleDrafter, batch: dict[str, torch.Tensor], steps: int, 
         blocks = [(key <= query - k)[None] & valid[:, None, :]]  # step 0's keys: the committed prefix
         blocks += [(key == query - k + j).expand(batch_size, -1, -1) for j in range(1, k + 1)]
         allowed = torch.cat(blocks, dim=-1)  # (B, T, (k + 1) T)
-        allowed[..., k * width :] |= torch.eye(width, dtype=torch.bool, device=device)  # every row sees itself
+        allowed[..., k * width :] |= torch.eye(
+            width, dtype=torch.bool, device=device
+        )  # every row sees itself
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, lowest)
         outputs = drafter.decoder(
             inputs_embeds=drafter.inputs(previous, following),
