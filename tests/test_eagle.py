@@ -229,3 +229,42 @@ def test_untrained_drafter_passes_the_last_feature_through(tiny_model):
 def test_missing_artifact_names_the_training_command(tiny_pipeline):
     with pytest.raises(FileNotFoundError, match="python -m train drafter=eagle model=tiny-random"):
         tiny_pipeline.with_components("eagle", "greedy")
+
+
+def test_dynamic_tree_nodes_are_their_parents_top_children(base):
+    """Each node of a dynamic tree (no budget cut) is among the drafter's top tree_width
+    tokens given its path, per the unrolled training forward; siblings are distinct."""
+    proposer = base.with_components(
+        {"name": "eagle", "tree": True, "tree_width": 3, "k": 3, "tree_budget": None}, "tree"
+    ).proposer
+    assert not proposer.sampled
+    drafter = proposer.drafter
+    prompt = random_prompts(1, seed=4)[0]
+    session = ModelSession(base.model)
+    pending = int(session.forward(prompt)[-1].argmax())
+    state = DecodeState(
+        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session
+    )
+    proposer.begin(state)
+    draft = proposer.propose(state)
+    assert len(draft) == 3 + 2 * 3 * 3 and draft.draft_probs is None
+    for row in draft.children:
+        assert len({draft.tokens[c] for c in row}) == len(row)
+    m = len(prompt)
+    for node in range(len(draft)):
+        path = []
+        parent = draft.parents[node]
+        while parent >= 0:
+            path.insert(0, draft.tokens[parent])
+            parent = draft.parents[parent]
+        sequence = state.tokens + path + [draft.tokens[node]]
+        check = ModelSession(base.model)
+        check.forward(sequence[:-1])
+        features = target_features(drafter.feature_layers, 2, check.hidden, LayerTap.of(base.model))
+        rows = padded(
+            {"tokens": [sequence], "prompt_len": [len(prompt)], "features": [features]}, [0], drafter.device
+        )
+        with torch.no_grad():
+            logits = [step_logits for k, _, step_logits in unrolled(drafter, rows, len(path) + 1)][-1]
+        top = drafter.vocabulary.token_ids[logits[0, m - 1 + len(path)].topk(3).indices].tolist()
+        assert draft.tokens[node] in top
