@@ -284,23 +284,30 @@ def unrolled(drafter: EagleDrafter, batch: dict[str, torch.Tensor], steps: int, 
 
 
 def ttt_loss(drafter: EagleDrafter, data: dict, cfg: Config):
-    """sum_k step_decay^k * cross-entropy of step k (:func:`unrolled`) over the draft vocabulary."""
+    """sum_k step_decay^k * cross-entropy of step k (:func:`unrolled`) over the draft
+    vocabulary, averaged over the batch's labels. Each sequence runs on its own, at its
+    own length: padding a batch to its longest sequence would double the work here."""
     token_ids = drafter.vocabulary.token_ids
     vocab_size = drafter.vocabulary.full_size
+    steps = cfg.ttt_steps
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        rows = padded(data, batch["index"].tolist(), drafter.device)
-        targets = vocab_index(rows["labels"], token_ids, vocab_size).to(drafter.device)  # (B, T)
-        total = 0.0
-        metrics = {}
-        for k, _, logits in unrolled(drafter, rows, cfg.ttt_steps, cfg.feature_noise):
-            step_targets = targets.clone()
-            step_targets[:, :k] = IGNORE  # rows before position k have no step-k path
-            loss = nn.functional.cross_entropy(logits.transpose(1, 2), step_targets, ignore_index=IGNORE)
-            total = total + cfg.step_decay**k * loss
-            present = step_targets != IGNORE
-            correct = (logits.argmax(-1) == step_targets) & present
-            metrics[f"top1/step{k}"] = float(correct.sum() / present.sum().clamp(min=1))
+        sums: list[torch.Tensor | float] = [0.0] * steps  # summed cross-entropy per step
+        counts, hits = torch.zeros(steps), torch.zeros(steps)
+        for index in batch["index"].tolist():
+            rows = padded(data, [index], drafter.device)
+            targets = vocab_index(rows["labels"], token_ids, vocab_size).to(drafter.device)  # (1, T)
+            for k, _, logits in unrolled(drafter, rows, steps, cfg.feature_noise):
+                step_targets = targets.clone()
+                step_targets[:, :k] = IGNORE  # rows before position k have no step-k path
+                sums[k] = sums[k] + nn.functional.cross_entropy(
+                    logits.transpose(1, 2), step_targets, ignore_index=IGNORE, reduction="sum"
+                )
+                present = step_targets != IGNORE
+                counts[k] += float(present.sum())
+                hits[k] += float(((logits.argmax(-1) == step_targets) & present).sum())
+        total = sum(cfg.step_decay**k * sums[k] / max(float(counts[k]), 1.0) for k in range(steps))
+        metrics = {f"top1/step{k}": float(hits[k] / counts[k].clamp(min=1)) for k in range(steps)}
         return total, metrics
 
     return loss_fn
