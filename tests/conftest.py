@@ -87,12 +87,14 @@ def tiny_pipeline(tiny_model, tiny_config, tmp_path) -> Pipeline:
 
 @pytest.fixture(scope="session")
 def trained_artifacts(tmp_path_factory) -> Path:
-    """An artifacts dir with the default Medusa recipe (copy heads) trained for the tiny
-    model (seconds), so pipelines over every registered proposer can run."""
+    """An artifacts dir with the default Medusa recipe (copy heads) and an EAGLE drafter
+    trained for the tiny model (seconds), so pipelines over every registered proposer can run."""
+    from tests.test_eagle import train_tiny_eagle
     from tests.test_train import train_tiny_medusa
 
     directory = tmp_path_factory.mktemp("trained-artifacts")
     train_tiny_medusa(directory)
+    train_tiny_eagle(directory)
     return directory
 
 

@@ -81,6 +81,7 @@ DRAFT_SHAPES: dict[str, list[dict]] = {
     "ngram": [{}, {"branches": 2}],
     "suffix": [{}],
     "draft_model": [{}, {"tree": True, "tree_budget": 8}],
+    "eagle": [{}, {"tree": True}],
     "early_exit": [{}, {"kv_reuse": False}],
     "medusa": [{}, {"tree": "auto"}, {"tree": "dynamic"}],
     "merge": [{}],

@@ -40,6 +40,7 @@ DRAFTERS: dict[str, str] = {
     "medusa": "train.medusa",
     "early_exit": "train.early_exit",
     "draft_model": "train.draft_model",
+    "eagle": "train.eagle",
 }
 
 

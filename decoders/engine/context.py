@@ -46,6 +46,26 @@ class PipelineContext:
         shipped = SHIPPED_ARTIFACTS.joinpath(self.target_key, drafter, *parts)
         return shipped if not own.exists() and shipped.exists() else own
 
+    def train_command(self, drafter: str, output: str | None = None) -> str:
+        """The command line that trains ``drafter`` for this target (into ``output`` if
+        given): what a missing-artifact error tells the user to run."""
+        model = self.model_config
+        parts = [f"python -m train drafter={drafter}", f"model={model.name}"]
+        if model.name_or_path:
+            parts.append(f"model.name_or_path={model.name_or_path}")
+        if model.name == "tiny-random":
+            parts += [
+                f"model.vocab_size={model.vocab_size}",
+                f"model.hidden_size={model.hidden_size}",
+                f"model.num_layers={model.num_layers}",
+                f"model.seed={model.seed}",
+            ]
+        if str(self.artifacts_dir) != "artifacts":
+            parts.append(f"artifacts_dir={self.artifacts_dir}")
+        if output:
+            parts.append(f"train.output={output}")
+        return " ".join(parts)
+
     @property
     def cost_cache_dir(self) -> Path:
         return cache_dir() / "costs"

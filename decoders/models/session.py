@@ -48,6 +48,7 @@ class ModelSession:
         parents: list[int] | None = None,
         tree_start: int | None = None,
         last_only: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append ``tokens`` and return their logits, (len(tokens), vocab).
 
@@ -61,6 +62,8 @@ class ModelSession:
             by level), the cache position where the tree begins; ``parents`` then
             covers the tree's entries cached since ``tree_start`` followed by the new
             tokens, indexed from ``tree_start``. Default: the tree is the new tokens.
+        inputs_embeds: (len(tokens), hidden) the decoder's inputs instead of the tokens'
+            embeddings (a feature-level drafter's fused inputs); ``tokens`` still name them.
         """
         start = len(self.cached)
         tree_start = start if tree_start is None else tree_start
@@ -69,8 +72,11 @@ class ModelSession:
                 f"parents has {len(parents)} entries but the tree holds {start - tree_start} cached "
                 f"and {len(tokens)} new tokens; give one parent per tree entry since tree_start."
             )
-        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # (1, q)
         kwargs: dict = {}
+        if inputs_embeds is None:
+            kwargs["input_ids"] = torch.tensor([tokens], dtype=torch.long, device=self.device)  # (1, q)
+        else:
+            kwargs["inputs_embeds"] = inputs_embeds[None]  # (1, q, hidden)
         if parents is not None and any(p != i - 1 for i, p in enumerate(parents)):
             new_depths = _depths(parents)[start - tree_start :]
             kwargs["position_ids"] = (
@@ -78,7 +84,7 @@ class ModelSession:
             ).unsqueeze(0)  # (1, q)
             tree_mask = tree_attention_mask(parents, tree_start, self.dtype, self.device)
             kwargs["attention_mask"] = tree_mask[:, :, start - tree_start :]  # (1, 1, q, start + q)
-        outputs = self.decoder(input_ids=input_ids, cache=self.cache, use_cache=True, **kwargs)
+        outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
         self.hidden = outputs.last_hidden_state[0]  # (q, hidden)
         self.cached.extend(tokens)
         return self.lm_head(self.hidden[-1:] if last_only else self.hidden)  # (q or 1, vocab)

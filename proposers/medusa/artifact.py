@@ -81,23 +81,3 @@ def load_artifact(
     PeftModel.from_pretrained(heads, str(directory / ADAPTER_DIR))  # injects LoRA into `heads`
     heads.to(lm_head.weight.dtype).eval().requires_grad_(False)
     return MedusaArtifact(heads, meta)
-
-
-def train_command(context, output: str | None = None) -> str:
-    """The command line that trains this target's Medusa heads (into ``output`` if given)."""
-    model = context.model_config
-    parts = ["python -m train drafter=medusa", f"model={model.name}"]
-    if model.name_or_path:
-        parts.append(f"model.name_or_path={model.name_or_path}")
-    if model.name == "tiny-random":
-        parts += [
-            f"model.vocab_size={model.vocab_size}",
-            f"model.hidden_size={model.hidden_size}",
-            f"model.num_layers={model.num_layers}",
-            f"model.seed={model.seed}",
-        ]
-    if str(context.artifacts_dir) != "artifacts":
-        parts.append(f"artifacts_dir={context.artifacts_dir}")
-    if output:
-        parts.append(f"train.output={output}")
-    return " ".join(parts)

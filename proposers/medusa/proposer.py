@@ -45,7 +45,7 @@ from decoders.sizing.draft_length import DraftLengthPolicy, confidence_bucket
 from decoders.sizing.dynamic_tree import DynamicTree
 from decoders.sizing.tree_budget import AcceptanceProfile, BudgetTuner
 from proposers.copy_attention import ContextMemory
-from proposers.medusa.artifact import CONFIG_FILE, load_artifact, train_command
+from proposers.medusa.artifact import CONFIG_FILE, load_artifact
 from proposers.medusa.heads import MedusaHeads
 from proposers.vocabulary import on_vocabulary
 
@@ -195,7 +195,7 @@ class MedusaProposer(Proposer):
         if not (directory / CONFIG_FILE).exists():
             raise FileNotFoundError(
                 f"no Medusa heads for target {context.target_key!r} at {directory}. Train them with "
-                f"`{train_command(context, config.path)}`."
+                f"`{context.train_command('medusa', config.path)}`."
             )
         artifact = load_artifact(
             directory, context.target.get_output_embeddings(), context.target.get_input_embeddings()

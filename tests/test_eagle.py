@@ -1,0 +1,270 @@
+"""The eagle proposer: drafting equals the training-time test's forward, greedy identity
+(chains, dynamic trees, merged with prompt lookup), the target's distribution at T=1,
+and the train -> save -> load -> propose round trip, on a drafter trained for the tiny model."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from decoders import Pipeline
+from decoders.engine.registry import verifier_registry
+from decoders.engine.sampling import SamplingConfig, processed_probs
+from decoders.engine.state import DecodeState
+from decoders.models.session import ModelSession
+from proposers.eagle import CONFIG_FILE, LayerTap, load_artifact, resolve_layers, target_features
+from tests.conftest import random_prompts
+from tests.test_train import compose_train
+from train.eagle import Config, padded, unrolled
+from train.job import run
+
+TINY_EAGLE = [
+    "model=tiny-random",
+    "model.dtype=float64",
+    "logger=disabled",
+    "drafter=eagle",
+    "train.data.magpie_prompts=0",
+    "train.data.templated_prompts=44",
+    "train.data.passages=4",
+    "train.data.max_new_tokens=40",
+    "train.data.batch_size=16",
+    "train.data.heldout=0.2",
+    "drafter.lora_rank=4",
+    "drafter.epochs=3",
+    "drafter.lr=0.01",
+]
+
+
+def train_tiny_eagle(artifacts_dir, extra: tuple[str, ...] = ()):
+    return run(compose_train(TINY_EAGLE + [f"artifacts_dir={artifacts_dir}", *extra]))
+
+
+@pytest.fixture(scope="module", params=["eagle3", "last"])
+def artifacts(request, tmp_path_factory):
+    """Drafters trained for the tiny model: EAGLE-3's layers (the default) and the last one alone."""
+    directory = tmp_path_factory.mktemp("eagle")
+    extra = () if request.param == "eagle3" else ("drafter.feature_layers=[-1]",)
+    train_tiny_eagle(directory, extra)
+    return directory
+
+
+@pytest.fixture()
+def base(tiny_model, tiny_config, artifacts) -> Pipeline:
+    model, tokenizer = tiny_model
+    return Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=artifacts, max_new_tokens=32)
+
+
+def test_feature_layers_resolve_like_hidden_state_indices():
+    assert resolve_layers(None, 30) == [2, 15, 30]
+    assert resolve_layers([-1], 30) == [30]
+    assert resolve_layers(None, 2) == [1, 2]
+    with pytest.raises(ValueError, match="hidden-state indices"):
+        resolve_layers([31], 30)
+
+
+def test_the_tap_gives_the_targets_hidden_states(tiny_model):
+    """Intermediate features from the forward hooks equal transformers' hidden_states."""
+    model, _ = tiny_model
+    tap = LayerTap.of(model)
+    tap.watch([0])
+    session = ModelSession(model)
+    tokens = random_prompts(1, seed=2)[0]
+    session.forward(tokens)
+    features = target_features([1, 2], 2, session.hidden, tap)  # (q, 2 * hidden)
+    with torch.no_grad():
+        reference = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features, torch.cat([reference[1][0], reference[2][0]], -1))
+
+
+def test_drafts_follow_the_training_time_test_forward(base):
+    """A greedy chain's tokens are the argmax of the unrolled training forward's step k at
+    the row its path ends on: the draft cache at inference is what training attends to."""
+    proposer = base.with_components({"name": "eagle", "adaptive": False, "k": 3}, "greedy").proposer
+    drafter = proposer.drafter
+    prompt = random_prompts(1, seed=6)[0]
+    session = ModelSession(base.model)
+    pending = int(session.forward(prompt)[-1].argmax())
+    state = DecodeState(
+        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session
+    )
+    proposer.begin(state)
+    draft = proposer.propose(state)
+    assert len(draft) == 3
+    sequence = state.tokens + draft.tokens  # prompt, pending, drafted
+    session.reset()
+    session.forward(sequence[:-1])
+    tap = LayerTap.of(base.model)
+    features = target_features(drafter.feature_layers, 2, session.hidden, tap)
+    data = {"tokens": [sequence], "prompt_len": [len(prompt)], "features": [features]}
+    rows = padded(data, [0], drafter.device)
+    m = len(prompt)  # the pending token's position; the committed prefix ends at m - 1
+    with torch.no_grad():
+        for k, _, logits in unrolled(drafter, rows, 3):
+            row = logits[0, m - 1 + k]  # (n,) depth k of the path from prefix m - 1
+            assert int(drafter.vocabulary.token_ids[row.argmax()]) == draft.tokens[k]
+
+
+LOSSLESS = [v for v in verifier_registry.names() if verifier_registry.get(v).lossless]
+TREE_VERIFIERS = [v for v in LOSSLESS if verifier_registry.get(v).accepts_trees]
+CASES = [("eagle", v) for v in LOSSLESS] + [
+    (proposer, verifier)
+    for proposer in (
+        {"name": "eagle", "adaptive": False, "k": 3},
+        {"name": "eagle", "tree": True},
+        {"name": "eagle", "tree": True, "tree_width": 2, "tree_budget": 5},
+        {"name": "merge", "members": [{"name": "eagle", "tree": True}, {"name": "ngram"}]},
+        {"name": "merge", "members": [{"name": "eagle"}, {"name": "ngram"}]},
+    )
+    for verifier in ["greedy", *TREE_VERIFIERS]
+]
+
+
+@pytest.mark.parametrize(("proposer", "verifier"), CASES, ids=str)
+def test_greedy_output_equals_standard_decoding(drafting_pays, base, proposer, verifier):
+    pipeline = base.with_components(proposer, verifier)
+    accepted = 0
+    for prompt in random_prompts(3, seed=8) + ["Write a story about"]:
+        for max_new in (1, 5, 24):
+            expected = base.generate(prompt, max_new).tokens
+            result = pipeline.generate(prompt, max_new)
+            assert result.tokens == expected, (proposer, verifier, prompt, max_new)
+            accepted += result.stats.accepted
+    assert accepted > 0, "no EAGLE token was ever accepted: the test exercised nothing"
+
+
+@pytest.mark.parametrize(
+    ("proposer", "verifier"),
+    [
+        ({"name": "eagle", "adaptive": False}, "rejection"),
+        ({"name": "eagle", "tree": True}, "tree"),
+        ({"name": "merge", "members": [{"name": "eagle", "adaptive": False}, "ngram"]}, "tree"),
+    ],
+    ids=["chain-rejection", "dynamic-tree", "merged-with-ngram"],
+)
+def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, verifier):
+    """At T=1 the first two tokens follow the target's distribution (chi-square), whether
+    drafted as sampled chains (rejection sampling against the drafter's q) or as
+    deterministic dynamic trees (point-mass rule)."""
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    pipeline = base.with_components(proposer, verifier, sampling)
+    prompt = base.encode("Explain how")
+    samples, accepted = Counter(), 0
+    for seed in range(300):
+        result = pipeline.generate(prompt, 3, seed=seed)
+        samples[tuple(result.tokens[:2])] += 1
+        accepted += result.stats.accepted
+    assert accepted > 20, "the drafter's tokens were hardly ever accepted: the test would be weak"
+
+    session = ModelSession(base.model)
+    first_probs = processed_probs(session.forward(prompt)[-1], sampling)  # (vocab,)
+    expected: dict[tuple[int, int], float] = {}
+    for t1 in first_probs.nonzero().flatten().tolist():
+        session.truncate(len(prompt))
+        second_probs = processed_probs(session.forward([t1])[-1], sampling)  # (vocab,)
+        for t2 in second_probs.nonzero().flatten().tolist():
+            expected[(t1, t2)] = float(first_probs[t1] * second_probs[t2])
+    assert set(samples) <= set(expected)
+    cells = sorted(expected)
+    total = sum(samples.values())
+    observed = [samples[c] for c in cells]
+    predicted = [expected[c] * total for c in cells]
+    scale = total / sum(predicted)
+    assert chisquare(observed, [p * scale for p in predicted]).pvalue > 1e-3
+
+
+def test_sampled_chains_carry_the_drafters_distribution(base):
+    proposer = base.with_components({"name": "eagle", "adaptive": False}, "rejection").proposer
+    sampling = SamplingConfig(temperature=1.0)
+    prompt = random_prompts(1, seed=3)[0]
+    session = ModelSession(base.model)
+    pending = int(session.forward(prompt)[-1].argmax())
+    state = DecodeState(prompt + [pending], len(prompt), sampling, sampling.generator(), session)
+    proposer.begin(state)
+    draft = proposer.propose(state)
+    assert draft.draft_probs.shape == (4, base.model.config.vocab_size)
+    torch.testing.assert_close(draft.draft_probs.sum(-1), torch.ones(4, dtype=draft.draft_probs.dtype))
+    outside = torch.ones(base.model.config.vocab_size, dtype=torch.bool)
+    outside[proposer.drafter.vocabulary.token_ids] = False
+    assert float(draft.draft_probs[:, outside].sum()) == 0.0  # q is 0 outside the draft vocabulary
+    assert all(float(draft.draft_probs[i, t]) > 0 for i, t in enumerate(draft.tokens))
+
+
+def test_training_round_trip(artifacts, tiny_model):
+    """The artifact holds only what differs from the target, loads, and drafts."""
+    model, _ = tiny_model
+    directory = artifacts / "tiny-random-v320-h64-l2-s0" / "eagle"
+    meta = json.loads((directory / CONFIG_FILE).read_text())
+    assert meta["drafter"] == "eagle" and len(meta["metrics"]["top1"]) == Config.eval_depth
+    assert meta["metrics"]["top1"][0] > 0.2, meta["metrics"]
+    assert not (directory / "checkpoint").exists()
+    stored = {p.name for p in (directory / "adapter").iterdir()}
+    assert "adapter_model.safetensors" in stored
+    from safetensors.torch import load_file
+
+    names = load_file(str(directory / "adapter" / "adapter_model.safetensors"))
+    assert any("lora_A" in n for n in names) and any("fuse" in n for n in names)
+    assert not any("lm_head" in n or "embed" in n for n in names)  # the target's weights are not stored
+    drafter = load_artifact(directory, model).drafter
+    assert drafter.dtype == torch.float64 and not any(p.requires_grad for p in drafter.parameters())
+
+
+def test_untrained_drafter_passes_the_last_feature_through(tiny_model):
+    """fuse and combine start as the identity on the highest feature."""
+    from proposers.draft_model import DraftVocabulary
+    from proposers.eagle import EagleDrafter
+
+    model, _ = tiny_model
+    vocabulary = DraftVocabulary(torch.arange(model.config.vocab_size), model.config.vocab_size)
+    drafter = EagleDrafter(model, [1, 2], -1, vocabulary)
+    features = torch.randn(3, 2 * 64, dtype=torch.float64)
+    torch.testing.assert_close(drafter.fuse(features), features[:, 64:])
+    tokens = torch.tensor([1, 2, 3])
+    torch.testing.assert_close(drafter.inputs(features[:, 64:], tokens), features[:, 64:])
+
+
+def test_missing_artifact_names_the_training_command(tiny_pipeline):
+    with pytest.raises(FileNotFoundError, match="python -m train drafter=eagle model=tiny-random"):
+        tiny_pipeline.with_components("eagle", "greedy")
+
+
+def test_dynamic_tree_nodes_are_their_parents_top_children(base):
+    """Each node of a dynamic tree (no budget cut) is among the drafter's top tree_width
+    tokens given its path, per the unrolled training forward; siblings are distinct."""
+    proposer = base.with_components(
+        {"name": "eagle", "tree": True, "tree_width": 3, "k": 3, "tree_budget": None}, "tree"
+    ).proposer
+    assert not proposer.sampled
+    drafter = proposer.drafter
+    prompt = random_prompts(1, seed=4)[0]
+    session = ModelSession(base.model)
+    pending = int(session.forward(prompt)[-1].argmax())
+    state = DecodeState(
+        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session
+    )
+    proposer.begin(state)
+    draft = proposer.propose(state)
+    assert len(draft) == 3 + 2 * 3 * 3 and draft.draft_probs is None
+    for row in draft.children:
+        assert len({draft.tokens[c] for c in row}) == len(row)
+    m = len(prompt)
+    for node in range(len(draft)):
+        path = []
+        parent = draft.parents[node]
+        while parent >= 0:
+            path.insert(0, draft.tokens[parent])
+            parent = draft.parents[parent]
+        sequence = state.tokens + path + [draft.tokens[node]]
+        check = ModelSession(base.model)
+        check.forward(sequence[:-1])
+        features = target_features(drafter.feature_layers, 2, check.hidden, LayerTap.of(base.model))
+        rows = padded(
+            {"tokens": [sequence], "prompt_len": [len(prompt)], "features": [features]}, [0], drafter.device
+        )
+        with torch.no_grad():
+            logits = [step_logits for k, _, step_logits in unrolled(drafter, rows, len(path) + 1)][-1]
+        top = drafter.vocabulary.token_ids[logits[0, m - 1 + len(path)].topk(3).indices].tolist()
+        assert draft.tokens[node] in top
