@@ -3,11 +3,8 @@ greedy and sampling verifiers, on heads trained for the tiny model."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from decoders import Pipeline
 from decoders.engine.registry import verifier_registry
@@ -19,6 +16,7 @@ from proposers.copy_attention import mixture
 from proposers.medusa.artifact import load_artifact, save_artifact
 from proposers.medusa.proposer import best_tree, build_tree
 from tests.conftest import random_prompts
+from tests.distribution_helpers import assert_first_two_tokens_follow_the_target
 from tests.test_copy_attention import entries_of
 from tests.test_train import train_tiny_medusa
 from train.medusa import Config, build_heads
@@ -247,28 +245,7 @@ def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, 
     sampling = SamplingConfig(temperature=1.0, top_k=3)
     pipeline = base.with_components(proposer, verifier, sampling)
     prompt = base.encode("Explain how")  # a chat prompt like the training ones: drafts get accepted
-    samples, accepted = Counter(), 0
-    for seed in range(400):
-        result = pipeline.generate(prompt, 3, seed=seed)
-        samples[tuple(result.tokens[:2])] += 1
-        accepted += result.stats.accepted
-    assert accepted > 20, "the heads' drafts were hardly ever accepted: the test would be weak"
-
-    session = ModelSession(base.model)
-    first_probs = processed_probs(session.forward(prompt)[-1], sampling)  # (vocab,)
-    expected: dict[tuple[int, int], float] = {}
-    for t1 in first_probs.nonzero().flatten().tolist():
-        session.truncate(len(prompt))
-        second_probs = processed_probs(session.forward([t1])[-1], sampling)  # (vocab,)
-        for t2 in second_probs.nonzero().flatten().tolist():
-            expected[(t1, t2)] = float(first_probs[t1] * second_probs[t2])
-    assert set(samples) <= set(expected)
-    cells = sorted(expected)
-    total = sum(samples.values())
-    observed = [samples[c] for c in cells]
-    predicted = [expected[c] * total for c in cells]
-    scale = total / sum(predicted)
-    assert chisquare(observed, [p * scale for p in predicted]).pvalue > 1e-3
+    assert_first_two_tokens_follow_the_target(base, pipeline, prompt, sampling, 400, "the heads' drafts")
 
 
 def test_dynamic_tree_nodes_are_their_parents_top_children(base):
