@@ -52,9 +52,12 @@ def test_draft_model_directory_with_another_tokenizer_fails_end_to_end(tiny_pipe
         tiny_pipeline.with_components({"name": "draft_model", "name_or_path": str(draft_dir)}, "greedy")
 
 
-def test_missing_draft_artifact_names_the_training_command(tiny_pipeline):
+def test_missing_draft_artifact_names_the_training_command(tiny_pipeline, tmp_path, monkeypatch):
     from dataclasses import replace
 
+    from decoders.engine import context as context_module
+
+    monkeypatch.setattr(context_module, "SHIPPED_ARTIFACTS", tmp_path / "none-shipped")
     tiny_pipeline.context.model_config = replace(tiny_pipeline.context.model_config, name="smollm2-135m")
     with pytest.raises(FileNotFoundError, match="python -m train drafter=draft_model"):
         tiny_pipeline.with_components("draft_model", "greedy")
