@@ -10,9 +10,11 @@ verifier keeps). A round where only one member proposes anything sends that
 member's draft unchanged (with its draft_probs, if sampled).
 
 Each member sizes its own draft from its own config and sees, after the
-round, the acceptance of its own draft (its nodes along the tokens the target
-committed), so adaptive members (``ngram``'s length policy, Medusa's budget)
-keep learning as if alone.
+round, a :class:`~decoders.engine.draft.Round` of its own: its draft, the
+accepted path mapped back to that draft's nodes (a member's node is accepted
+when the joined node it became is), the nodes the target saw, and its own
+drafting seconds (timed here, one member at a time), so adaptive members
+(``ngram``'s length policy, Medusa's budget) keep learning as if alone.
 
 Sampling stays lossless under the tree verifier's conditions (verifiers/tree.py):
 only deterministic nodes (members with draft_probs None, e.g. prompt lookup, and
@@ -29,12 +31,13 @@ Example: ``proposer=merge "proposer.members=[{name:medusa,tree:auto,tree_budget:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from decoders.engine.draft import Acceptance, Draft, follow_tokens
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, proposer_registry, register_proposer
 
@@ -70,6 +73,8 @@ class MergeProposer(Proposer):
             )
         self._pass_owner: Proposer | None = reusing[0] if reusing else None
         self._drafts: list[Draft] = []
+        self._joined: list[list[int]] = []  # per member: its nodes' indices in the joined draft
+        self._seconds: list[float] = []  # per member: its propose's seconds this round
         self.merged_nodes = 0  # nodes saved by shared prefixes, over all rounds
         self.own_nodes = [0] * len(self.members)  # nodes only this member proposed
 
@@ -82,7 +87,12 @@ class MergeProposer(Proposer):
             member.begin(state)
 
     def propose(self, state) -> Draft:
-        self._drafts = [member.propose(state) for member in self.members]
+        self._drafts, self._seconds = [], []
+        for member in self.members:
+            tick = time.perf_counter()
+            self._drafts.append(member.propose(state))
+            self._seconds.append(time.perf_counter() - tick)
+        self._joined = [list(range(len(draft))) for draft in self._drafts]
         proposing = [m for m, draft in enumerate(self._drafts) if len(draft)]
         if len(proposing) <= 1:
             for m in proposing:
@@ -109,6 +119,7 @@ class MergeProposer(Proposer):
                 else:
                     self.merged_nodes += 1
                 mapped.append(node)
+            self._joined[m] = mapped
         return Draft(tokens, parents, _rows(tokens, rows))
 
     def verify_forward(self, target, tokens: list[int], parents: list[int] | None) -> torch.Tensor:
@@ -117,9 +128,20 @@ class MergeProposer(Proposer):
             return self._pass_owner.verify_forward(target, tokens, parents)
         return super().verify_forward(target, tokens, parents)
 
-    def observe(self, state, acceptance: Acceptance) -> None:
-        for member, draft in zip(self.members, self._drafts):
-            member.observe(state, Acceptance(follow_tokens(draft, acceptance.tokens), acceptance.tokens))
+    def observe(self, state, round: Round) -> None:
+        verified = set(round.verified)
+        for member, draft, joined, seconds in zip(self.members, self._drafts, self._joined, self._seconds):
+            member_of = {}  # joined node -> the member's node
+            for node, joined_node in enumerate(joined):
+                member_of.setdefault(joined_node, node)
+            path: list[int] = []
+            for joined_node in round.path:  # the member's nodes along the accepted path, from the root
+                node = member_of.get(joined_node)
+                if node is None or draft.parents[node] != (path[-1] if path else -1):
+                    break
+                path.append(node)
+            seen = [node for node, joined_node in enumerate(joined) if joined_node in verified]
+            member.observe(state, Round(draft, path, seen, round.tokens, seconds, round.verify_seconds))
 
     def finish(self, state) -> None:
         for member in self.members:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import RegistryError, build, proposer_registry
 from proposers.merge import MergeProposer
@@ -26,19 +26,19 @@ class FixedProposer(Proposer):
     def __init__(self, draft: Draft) -> None:
         super().__init__(self.Config(), None)
         self.draft = draft
-        self.observed: list[Acceptance] = []
+        self.observed: list[Round] = []
 
     def propose(self, state) -> Draft:
         return self.draft
 
-    def observe(self, state, acceptance) -> None:
-        self.observed.append(acceptance)
+    def observe(self, state, round) -> None:
+        self.observed.append(round)
 
 
 def merged(*drafts: Draft) -> tuple[MergeProposer, list[FixedProposer]]:
     proposer = MergeProposer.__new__(MergeProposer)
     members = [FixedProposer(d) for d in drafts]
-    proposer.members, proposer._drafts = members, []
+    proposer.members, proposer._drafts, proposer._joined, proposer._seconds = members, [], [], []
     proposer.merged_nodes, proposer.own_nodes = 0, [0] * len(members)
     return proposer, members
 
@@ -87,10 +87,25 @@ def test_each_member_observes_its_own_accepted_path():
     chain = Draft.chain([1, 2, 3])
     tree = Draft([4, 1, 5], [-1, -1, 1])  # 4; 1 -> 5
     proposer, (first, second) = merged(chain, tree)
-    proposer.propose(None)
-    proposer.observe(None, Acceptance(path=[0, 4], tokens=[1, 5, 9]))  # merged nodes: 1 then 5
+    joined = proposer.propose(None)
+    proposer.observe(None, Round.of(joined, [0, 4], [1, 5, 9]))  # merged nodes: 1 then 5
     assert first.observed[-1].path == [0] and first.observed[-1].tokens == [1, 5, 9]
     assert second.observed[-1].path == [1, 2]
+    assert first.observed[-1].draft is chain and second.observed[-1].draft is tree
+    assert first.observed[-1].verified == [0, 1, 2] and second.observed[-1].verified == [0, 1, 2]
+
+
+def test_members_see_only_the_nodes_the_target_saw():
+    """A chain verifier keeps the joined principal path: the second member's own nodes
+    were not tried, and a path through a shared node is the member's path too."""
+    chain = Draft.chain([1, 2, 3])
+    other = Draft.chain([1, 7])  # shares node 1 with the chain
+    proposer, (first, second) = merged(chain, other)
+    joined = proposer.propose(None)
+    principal = joined.principal_path()  # the chain's nodes
+    proposer.observe(None, Round(joined, principal[:1], principal, [1, 5]))
+    assert first.observed[-1].path == [0] and first.observed[-1].verified == [0, 1, 2]
+    assert second.observed[-1].path == [0] and second.observed[-1].verified == [0]
 
 
 MEMBERS = [

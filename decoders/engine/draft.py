@@ -14,6 +14,10 @@ Vocabulary used across the project:
 * **bonus token**: the token the target emits after the last node of a fully
   accepted path. Every round emits exactly one of the two, so a round emits
   ``len(path) + 1`` tokens.
+* **round**: one draft, one target pass, one verdict. A proposer learns of its
+  round through a :class:`Round`: its own draft, the accepted path in that
+  draft's numbering (whatever the engine and the verifier pruned on the way),
+  and the round's drafting and verification seconds.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class Draft:
     parents: list[int]
     draft_probs: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    # set by :meth:`select`: (the draft this one was selected from, its node of each of ours)
+    origin: tuple[Draft, list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -97,7 +103,19 @@ class Draft:
             [self.tokens[i] for i in nodes],
             [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in nodes],
             None if self.draft_probs is None else self.draft_probs[nodes],
+            origin=(self, list(nodes)),
         )
+
+    def nodes_in(self, ancestor: Draft) -> list[int] | None:
+        """Our nodes' indices in ``ancestor``, the draft we were selected from (through any
+        number of :meth:`select` calls); None if we were not."""
+        nodes, draft = list(range(len(self))), self
+        while draft is not ancestor:
+            if draft.origin is None:
+                return None
+            draft, index = draft.origin
+            nodes = [index[i] for i in nodes]
+        return nodes
 
     def truncated(self, max_depth: int) -> Draft:
         """This draft without nodes deeper than ``max_depth`` levels (0 = empty)."""
@@ -128,9 +146,41 @@ class Acceptance:
         return len(self.path)
 
 
+@dataclass
+class Round:
+    """What a proposer learns of its round (:meth:`Proposer.observe`).
+
+    draft:    the draft the proposer returned, as returned.
+    path:     the accepted nodes, root to deepest, in ``draft``'s numbering.
+    verified: the nodes of ``draft`` the target saw (the engine drops nodes past
+              ``max_new_tokens``, chain verifiers keep the principal path); a node
+              outside it was neither tried nor rejected.
+    tokens:   emitted tokens (accepted tokens + one correction or bonus token).
+    draft_seconds:  the engine's measure of drafting (``propose`` and the pruning).
+    verify_seconds: the target's pass, the verdict and the KV commit.
+    """
+
+    draft: Draft
+    path: list[int]
+    verified: list[int]
+    tokens: list[int]
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, draft: Draft, path: list[int], tokens: list[int], draft_seconds: float = 0.0) -> Round:
+        """A round in which the target saw the whole draft."""
+        return cls(draft, path, list(range(len(draft))), tokens, draft_seconds)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
 def follow_tokens(draft: Draft, tokens: list[int]) -> list[int]:
     """The draft nodes spelling the longest prefix of ``tokens`` from the root: given the
-    tokens committed after a round, the path the target accepted."""
+    tokens committed after a round, the path the target accepted. The engine's fallback
+    for a verifier whose ``prepare`` builds a new draft instead of selecting nodes."""
     path: list[int] = []
     row = 0
     for token in tokens:
