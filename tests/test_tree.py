@@ -23,7 +23,7 @@ from scipy.stats import chisquare
 
 from decoders.engine.context import PipelineContext
 from decoders.engine.decoding import StopConditions, decode
-from decoders.engine.draft import Draft, Round, follow_tokens
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, proposer_registry
 from decoders.engine.sampling import SamplingConfig, processed_probs, sample
@@ -325,11 +325,14 @@ def _is_ancestor(draft: Draft, candidate: int, node: int) -> bool:
     return False
 
 
-def test_follow_tokens_finds_the_accepted_path():
-    tree = tree_from_sequences([[1, 2, 3], [1, 4], [5, 6]])
-    assert follow_tokens(tree, [1, 4, 9]) == [0, 3]
-    assert follow_tokens(tree, [5, 6, 7]) == [4, 5]
-    assert follow_tokens(tree, [7]) == []
+def test_nodes_in_maps_a_pruned_draft_back_to_the_proposed_one():
+    tree = tree_from_sequences([[1, 2, 3], [1, 4], [5, 6]])  # 0:1 1:2 2:3 3:4 4:5 5:6
+    assert tree.select([0, 1, 3]).select([0, 2]).nodes_in(tree) == [0, 3]  # through every select
+    assert tree.as_chain().nodes_in(tree) == [0, 1, 2] and tree.nodes_in(tree) == list(range(6))
+    # a draft built anew (no selection) is matched by (parent, token) from the root
+    assert Draft.chain([1, 4, 9]).nodes_in(tree) == [0, 3, None]
+    assert Draft.chain([5, 6, 7]).nodes_in(tree) == [4, 5, None]
+    assert Draft.chain([7, 1]).nodes_in(tree) == [None, None]
 
 
 def test_tree_option_is_validated(tiny_model, tiny_config):

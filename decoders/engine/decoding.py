@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decoders.engine.draft import Acceptance, Draft, Round, follow_tokens
+from decoders.engine.draft import Acceptance, Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, verifier_registry
 from decoders.engine.sampling import SamplingConfig, check_finite, next_token
@@ -217,9 +217,10 @@ def _round(
     """The round in the proposer's numbering: ``verified`` is ``proposed`` after the
     engine's and the verifier's pruning, and the verdict's path is in its numbering."""
     nodes = verified.nodes_in(proposed)
-    if nodes is None:  # a verifier built a new draft: find the accepted nodes by their tokens
-        path = follow_tokens(proposed, acceptance.tokens[: acceptance.num_accepted])
-        nodes = list(range(len(proposed)))
-    else:
-        path = [nodes[node] for node in acceptance.path]
-    return Round(proposed, path, nodes, acceptance.tokens, draft_seconds, verify_seconds)
+    path: list[int] = []
+    for node in acceptance.path:
+        if nodes[node] is None:  # a node the verifier added: the proposer's path ends before it
+            break
+        path.append(nodes[node])
+    seen = [node for node in nodes if node is not None]
+    return Round(proposed, path, seen, acceptance.tokens, draft_seconds, verify_seconds)

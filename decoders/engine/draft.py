@@ -106,16 +106,23 @@ class Draft:
             origin=(self, list(nodes)),
         )
 
-    def nodes_in(self, ancestor: Draft) -> list[int] | None:
-        """Our nodes' indices in ``ancestor``, the draft we were selected from (through any
-        number of :meth:`select` calls); None if we were not."""
-        nodes, draft = list(range(len(self))), self
-        while draft is not ancestor:
-            if draft.origin is None:
-                return None
+    def nodes_in(self, ancestor: Draft) -> list[int | None]:
+        """Our nodes' indices in ``ancestor``, a draft we were made from: through the
+        :meth:`select` calls that made us, else by matching (parent, token) from the root
+        (None for a node ``ancestor`` lacks)."""
+        nodes: list = list(range(len(self)))
+        draft = self
+        while draft is not ancestor and draft.origin is not None:
             draft, index = draft.origin
             nodes = [index[i] for i in nodes]
-        return nodes
+        if draft is ancestor:
+            return nodes
+        matched: list[int | None] = []
+        for token, parent in zip(self.tokens, self.parents):
+            row = 0 if parent < 0 else None if matched[parent] is None else matched[parent] + 1
+            siblings = [] if row is None else ancestor.children[row]
+            matched.append(next((c for c in siblings if ancestor.tokens[c] == token), None))
+        return matched
 
     def truncated(self, max_depth: int) -> Draft:
         """This draft without nodes deeper than ``max_depth`` levels (0 = empty)."""
@@ -175,18 +182,3 @@ class Round:
     @property
     def num_accepted(self) -> int:
         return len(self.path)
-
-
-def follow_tokens(draft: Draft, tokens: list[int]) -> list[int]:
-    """The draft nodes spelling the longest prefix of ``tokens`` from the root: given the
-    tokens committed after a round, the path the target accepted. The engine's fallback
-    for a verifier whose ``prepare`` builds a new draft instead of selecting nodes."""
-    path: list[int] = []
-    row = 0
-    for token in tokens:
-        node = next((c for c in draft.children[row] if draft.tokens[c] == token), None)
-        if node is None:
-            break
-        path.append(node)
-        row = node + 1
-    return path
