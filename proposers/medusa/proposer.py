@@ -244,10 +244,6 @@ class MedusaProposer(Proposer):
     def sampled(self) -> bool:
         return self.dynamic is None  # dynamic trees are deterministic
 
-    @torch.inference_mode()
-    def propose(self, state) -> Draft:
-        return self._propose(state)
-
     def begin(self, state) -> None:
         self.memory = None if self.heads.copy is None else self.heads.context_memory()
 
@@ -264,7 +260,8 @@ class MedusaProposer(Proposer):
             )
         self.memory.extend(hidden, state.tokens[start:committed], state.tokens[start + 1 : committed + 1])
 
-    def _propose(self, state) -> Draft:
+    @torch.inference_mode()
+    def propose(self, state) -> Draft:
         sampling = state.sampling
         if self.heads.copy is not None:
             if self.memory is None:  # the first request, begin() not called
