@@ -224,7 +224,7 @@ class DraftModelProposer(Proposer):
 
         tree = self.tree.build(root_logits, expand, "draft model's forward pass")
         self._fed_of_node = [offset_of.get(candidate) for candidate in tree.origin[1]]
-        return Draft(self._token_ids(tree.tokens), tree.parents)  # rows -> token ids
+        return Draft(self._token_ids(tree.tokens), tree.parents, values=tree.values)  # rows -> token ids
 
     def _token_ids(self, rows: list[int]) -> list[int]:
         return rows if self.vocabulary is None else self.vocabulary.token_ids[rows].tolist()

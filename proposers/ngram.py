@@ -83,6 +83,10 @@ class NgramProposer(Proposer):
                     continuations = [c[:length] for c in continuations if length]
                     if not continuations:
                         return Draft.empty()
+                    draft = tree_from_sequences(continuations)
+                    survival = self.policy.values(n, length)  # the estimates it was sized by
+                    draft.values = [survival[depth] for depth in draft.depths]
+                    return draft
                 return tree_from_sequences(continuations)
         return Draft.empty()
 

@@ -234,7 +234,7 @@ def tree_of(ranked: list[tuple[tuple, Candidate]]) -> tuple[Draft, list[tuple]]:
         tokens.append(path[-1])
         parents.append(node_of[path[:-1]] if len(path) > 1 else -1)
         keys.append(candidate.key)
-    return Draft(tokens, parents), keys
+    return Draft(tokens, parents, values=[c.value for _, c in ordered]), keys
 
 
 def save_memory(memory: SuffixIndex, path: Path, target: str) -> None:

@@ -38,12 +38,16 @@ class Draft:
         node i's token was drawn from, after the same temperature/top-k/top-p
         processing the target gets. ``None`` means the tokens were chosen
         deterministically, and verifiers treat each as a point mass.
+    values: optional n floats, the proposer's calibrated estimate that node i (its
+        whole path) is accepted (decoders/sizing); a joined tree (``merge``) sizes
+        itself from them. ``None``: not estimated.
     """
 
     tokens: list[int]
     parents: list[int]
     draft_probs: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    values: list[float] | None = None
     # set by :meth:`select`: (the draft this one was selected from, its node of each of ours)
     origin: tuple[Draft, list[int]] | None = field(default=None, repr=False, compare=False)
 
@@ -55,10 +59,14 @@ class Draft:
                 raise ValueError(f"draft node {i} has parent {parent}; parents must come before children")
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
             raise ValueError("draft_probs must have one row per draft node")
+        if self.values is not None and len(self.values) != len(self.tokens):
+            raise ValueError("values must hold one estimate per draft node")
 
     @classmethod
-    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> Draft:
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs)
+    def chain(
+        cls, tokens: list[int], draft_probs: torch.Tensor | None = None, values: list[float] | None = None
+    ) -> Draft:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, values=values)
 
     @classmethod
     def empty(cls) -> Draft:
@@ -103,6 +111,7 @@ class Draft:
             [self.tokens[i] for i in nodes],
             [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in nodes],
             None if self.draft_probs is None else self.draft_probs[nodes],
+            values=None if self.values is None else [self.values[i] for i in nodes],
             origin=(self, list(nodes)),
         )
 

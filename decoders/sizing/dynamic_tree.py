@@ -171,8 +171,8 @@ class DynamicTree(Sizer):
         )
         keys = [confidence_key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
         self.levels[1 + max(candidates.depths)] += 1
+        values = self.stats.path_values(candidates.parents, keys)
         if auto:
-            values = self.stats.path_values(candidates.parents, keys)
             order = sorted(range(len(candidates)), key=lambda i: (-values[i], candidates.depths[i], i))
             keep = order[: self._best([values[i] for i in order])[0]]
         else:
@@ -181,7 +181,7 @@ class DynamicTree(Sizer):
             )
             keep = order[: self.budget or len(order)]
         keep.sort()
-        draft = Draft(candidates.rows, candidates.parents).select(keep)
+        draft = Draft(candidates.rows, candidates.parents, values=values).select(keep)
         self._keys = [keys[i] for i in keep]
         self.sizes[len(draft)] += 1
         return draft

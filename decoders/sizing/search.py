@@ -40,16 +40,19 @@ def best_size(
     seconds_per_node: float = 0.0,
     min_gain: float = MIN_GAIN,
     allow_empty: bool = False,
+    base_tokens: float = 1.0,
 ) -> tuple[int, float]:
     """(n, expected tokens per second) of the best draft made of the n first ``values``.
 
     ``values`` in descending order; ``pass_seconds[m]`` = T(m + 1), non-decreasing
     (n is at most len(pass_seconds) - 1). With ``allow_empty``, n = 0 (a plain decoding
     step) competes; otherwise the smallest draft has one node (worth 0 if ``values``
-    is empty)."""
+    is empty). ``base_tokens``: what a round emits without the candidates (the
+    correction or bonus token, plus the estimates of nodes kept anyway; their pass
+    width is then in ``pass_seconds``' offset)."""
     values = values[: len(pass_seconds) - 1] or ([] if allow_empty else [0.0])
     best = 0 if allow_empty else 1
-    expected = 1.0 + sum(values[:best])
+    expected = base_tokens + sum(values[:best])
     best_rate = expected / (pass_seconds[best] + draft_seconds + seconds_per_node * best)
     for n in range(best + 1, len(values) + 1):
         expected += values[n - 1]

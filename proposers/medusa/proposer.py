@@ -276,7 +276,7 @@ class MedusaProposer(Proposer):
                 return torch.stack([outputs.logits[node] for node in frontier])  # (f, n)
 
             draft = self.dynamic.build(root, expand, "Medusa heads")
-            return Draft(outputs.token_ids(draft.tokens), draft.parents)
+            return Draft(outputs.token_ids(draft.tokens), draft.parents, values=draft.values)
         if self.tree is not None:
             return self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
         length = self.num_heads
