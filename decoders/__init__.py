@@ -8,7 +8,7 @@ the pass-cost curve), ``sizing`` (how big a draft should be) and ``evaluation``
 proposer or verifier: the registries import built-ins when first looked up.
 """
 
-from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.draft import Acceptance, Draft, Round
 from decoders.engine.pipeline import GenerationResult, Pipeline
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import register_proposer, register_verifier
@@ -18,6 +18,7 @@ from decoders.engine.verifier import Verifier
 __all__ = [
     "Acceptance",
     "Draft",
+    "Round",
     "GenerationResult",
     "Pipeline",
     "Proposer",

@@ -29,7 +29,8 @@ def format_stats(stats) -> str:
     if stats.acceptance_rate is not None:
         lines.append(f"acceptance rate     {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.proposed})")
     lines.append(
-        f"time (s)            prefill {stats.prefill_time:.3f}  draft {stats.draft_time:.3f}  "
+        f"time (s)            prefill {stats.prefill_time:.3f}  draft {stats.draft_time:.3f} "
+        f"(observe {stats.observe_time:.3f})  "
         f"verify {stats.verify_time:.3f}  total {stats.wall_time:.3f}"
     )
     return "\n".join(lines)

@@ -23,8 +23,10 @@ which reranking breaks.
 
 Syncing after a round works the same for chains and trees: the draft's cache
 holds the committed prefix followed by the drafted entries it fed (a chain or a
-tree); the entries along the accepted path are kept (``ModelSession.keep``),
-the rest dropped.
+tree); :meth:`DraftModelProposer.observe` maps the round's accepted path (in the
+draft's own numbering) to the fed entries along it, which the next round keeps
+(``ModelSession.keep``), the rest dropped. A round not observed keeps none (its
+tokens are fed again).
 
 Reduced draft vocabulary (``vocab_size=N``, FR-Spec, Zhao et al. 2025): the
 draft's cost per token is dominated by its LM head over the whole vocabulary
@@ -42,7 +44,6 @@ target's mass outside the N tokens).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
@@ -108,8 +109,8 @@ class DraftModelProposer(Proposer):
             self.session.lm_head = self.vocabulary.head(self.session.lm_head)
         self._draft_start = 0  # committed tokens when the last draft was made
         self._fed_parents: list[int] = []  # tree structure of the drafted entries cached after them
-        self._last_tree: Draft | None = None
-        self._draft_seconds = 0.0
+        self._fed_of_node: list[int | None] = []  # the last draft's nodes -> their fed entry (None: not fed)
+        self._keep_fed: list[int] = []  # fed entries along the last observed round's accepted path
 
     @property
     def sampled(self) -> bool:
@@ -152,32 +153,41 @@ class DraftModelProposer(Proposer):
         self.session.reset()
         self._draft_start = 0
         self._fed_parents = []
-        self._last_tree = None
+        self._fed_of_node = []
+        self._keep_fed = []
 
-    def _sync(self, tokens: list[int]) -> None:
+    def observe(self, state, round: Round) -> None:
+        """The fed entries of the accepted nodes stay cached for the next round."""
+        keep: list[int] = []
+        for node in round.path:
+            fed = self._fed_of_node[node]
+            if fed is None:  # a leaf: never fed (the next round feeds its token)
+                break
+            keep.append(fed)
+        self._keep_fed = keep
+        if self.config.tree:
+            self.tree.observe(round)
+
+    def _sync(self) -> None:
         """Keep in the draft cache the committed prefix and the fed draft entries the
-        target accepted; drop the rest. The pending token is fed in :meth:`propose`."""
-        start = self._draft_start
-        accepted = tokens[start:-1]
-        fed = Draft(self.session.cached[start:], self._fed_parents)
-        self.session.keep(start, follow_tokens(fed, accepted))
-        if self._last_tree is not None:
-            self.tree.record(self._last_tree, follow_tokens(self._last_tree, accepted), self._draft_seconds)
-            self._last_tree = None
+        target accepted (:meth:`observe`); drop the rest. The missing committed tokens
+        and the pending token are fed in :meth:`propose`."""
+        self.session.keep(self._draft_start, self._keep_fed)
+        self._keep_fed = []
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
-        tick = time.perf_counter()
         tokens = state.tokens
-        self._sync(tokens)
+        self._sync()
         self._draft_start = len(tokens)
         self._fed_parents = []
         logits = self.session.forward(tokens[len(self.session) :], last_only=True)[-1]  # (vocab,)
         if not self.config.tree:
-            return self._draft_chain(logits, state)
-        self._last_tree = self._draft_tree(logits)
-        self._draft_seconds = time.perf_counter() - tick
-        return self._last_tree
+            draft = self._draft_chain(logits, state)
+            fed = len(self._fed_parents)  # the chain's first nodes, each fed for the next
+            self._fed_of_node = [node if node < fed else None for node in range(len(draft))]
+            return draft
+        return self._draft_tree(logits)
 
     def _draft_chain(self, logits: torch.Tensor, state) -> Draft:
         """k tokens, each fed back for the next; sampled from the processed draft
@@ -212,11 +222,9 @@ class DraftModelProposer(Proposer):
             tokens = self._token_ids([rows[node] for node in frontier])
             return self.session.forward(tokens, self._fed_parents, tree_start=tree_start)  # (f, n)
 
-        return self._ids(self.tree.build(root_logits, expand, "draft model's forward pass"))
-
-    def _ids(self, draft: Draft) -> Draft:
-        """A draft over the draft head's rows as one over token ids."""
-        return Draft(self._token_ids(draft.tokens), draft.parents, draft.draft_probs)
+        tree = self.tree.build(root_logits, expand, "draft model's forward pass")
+        self._fed_of_node = [offset_of.get(candidate) for candidate in tree.origin[1]]
+        return Draft(self._token_ids(tree.tokens), tree.parents, values=tree.values)  # rows -> token ids
 
     def _token_ids(self, rows: list[int]) -> list[int]:
         return rows if self.vocabulary is None else self.vocabulary.token_ids[rows].tolist()

@@ -10,9 +10,11 @@ verifier keeps). A round where only one member proposes anything sends that
 member's draft unchanged (with its draft_probs, if sampled).
 
 Each member sizes its own draft from its own config and sees, after the
-round, the acceptance of its own draft (its nodes along the tokens the target
-committed), so adaptive members (``ngram``'s length policy, Medusa's budget)
-keep learning as if alone.
+round, a :class:`~decoders.engine.draft.Round` of its own: its draft, the
+accepted path mapped back to that draft's nodes (a member's node is accepted
+when the joined node it became is), the nodes the target saw, and its own
+drafting seconds (timed here, one member at a time), so adaptive members
+(``ngram``'s length policy, Medusa's budget) keep learning as if alone.
 
 Sampling stays lossless under the tree verifier's conditions (verifiers/tree.py):
 only deterministic nodes (members with draft_probs None, e.g. prompt lookup, and
@@ -24,19 +26,34 @@ deterministic node's row is the point mass on its token (the q-rule with a
 point mass is the point-mass rule), so sampled nodes keep the min(1, p/q)
 acceptance they would get alone.
 
+With ``joint_budget=true`` the joined tree is sized as a whole (issue 18): every
+deterministic node a member estimated (``Draft.values``, its calibrated chance
+that the node's path is accepted; a shared node takes the best estimate, and
+counts once) competes in one :func:`decoders.sizing.search.best_size` against
+the target's T(n) and the round's measured drafting seconds (every member's);
+the nodes that do not pay for the wider pass are cut. Sampled nodes, and nodes
+of members that give no estimates, are always kept (with their ancestors), so
+the cut never depends on a sampled token and sampling stays lossless. Members
+still size their own drafts first; the joint cut only removes what the joined
+pass cannot afford.
+
 Example: ``proposer=merge "proposer.members=[{name:medusa,tree:auto,tree_budget:auto},{name:ngram}]"``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from decoders.engine.draft import Acceptance, Draft, follow_tokens
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, proposer_registry, register_proposer
+from decoders.sizing.search import PassSeconds, Sizer, best_size
+
+MAX_JOINED_NODES = 256  # the widest joined pass the joint budget considers
 
 
 @register_proposer("merge")
@@ -50,6 +67,8 @@ class MergeProposer(Proposer):
                 {"name": "ngram"},
             ]
         )
+        # size the joined tree as a whole from the members' estimates (see the module docstring)
+        joint_budget: bool = False
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
@@ -70,6 +89,11 @@ class MergeProposer(Proposer):
             )
         self._pass_owner: Proposer | None = reusing[0] if reusing else None
         self._drafts: list[Draft] = []
+        self._joined: list[list[int]] = []  # per member: its nodes' indices in the joined draft
+        self._seconds: list[float] = []  # per member: its propose's seconds this round
+        self.sizer = Sizer()  # the rounds' drafting seconds, every member's
+        self._pass_seconds = PassSeconds(context.cost_curve, MAX_JOINED_NODES + 1) if context else None
+        self.cut_nodes = 0  # nodes the joint budget cut, over all rounds
         self.merged_nodes = 0  # nodes saved by shared prefixes, over all rounds
         self.own_nodes = [0] * len(self.members)  # nodes only this member proposed
 
@@ -82,7 +106,12 @@ class MergeProposer(Proposer):
             member.begin(state)
 
     def propose(self, state) -> Draft:
-        self._drafts = [member.propose(state) for member in self.members]
+        self._drafts, self._seconds = [], []
+        for member in self.members:
+            tick = time.perf_counter()
+            self._drafts.append(member.propose(state))
+            self._seconds.append(time.perf_counter() - tick)
+        self._joined = [list(range(len(draft))) for draft in self._drafts]
         proposing = [m for m, draft in enumerate(self._drafts) if len(draft)]
         if len(proposing) <= 1:
             for m in proposing:
@@ -92,6 +121,8 @@ class MergeProposer(Proposer):
         parents: list[int] = []
         rows: list[torch.Tensor | None] = []  # a sampled node's q; None = a point mass on its token
         node_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> deterministic merged node
+        values: list[float] = []  # the best member estimate of each merged node
+        anyway: set[int] = set()  # merged nodes a sampled or unestimating member proposed
         for m, draft in enumerate(self._drafts):
             sampled = draft.draft_probs is not None
             mapped: list[int] = []
@@ -103,13 +134,53 @@ class MergeProposer(Proposer):
                     tokens.append(token)
                     parents.append(key[0])
                     rows.append(draft.draft_probs[i] if sampled else None)
+                    values.append(0.0)
                     if not sampled:
                         node_of[key] = node
                     self.own_nodes[m] += 1
                 else:
                     self.merged_nodes += 1
+                if sampled or draft.values is None:
+                    anyway.add(node)
+                else:
+                    values[node] = max(values[node], draft.values[i])
                 mapped.append(node)
-        return Draft(tokens, parents, _rows(tokens, rows))
+            self._joined[m] = mapped
+        joined = Draft(tokens, parents, _rows(tokens, rows))
+        return self._joint_cut(joined, values, anyway) if self.config.joint_budget else joined
+
+    def _joint_cut(self, joined: Draft, values: list[float], anyway: set[int]) -> Draft:
+        """The nodes of ``joined`` that pay for the joined pass: those kept ``anyway`` and
+        their ancestors, then the estimated nodes best first, as many as :func:`best_size`
+        finds worth their width."""
+
+        def with_ancestors(nodes) -> set[int]:
+            closed: set[int] = set()
+            for node in nodes:
+                while node >= 0 and node not in closed:
+                    closed.add(node)
+                    node = joined.parents[node]
+            return closed
+
+        kept = with_ancestors(anyway)
+        ranked = sorted(
+            (i for i in range(len(joined)) if i not in kept), key=lambda i: (-values[i], joined.depths[i], i)
+        )
+        seconds = self._pass_seconds()[len(kept) :]
+        size, _ = best_size(
+            [values[i] for i in ranked],
+            seconds,
+            self.sizer.mean_draft_seconds,
+            allow_empty=True,
+            base_tokens=1.0 + sum(values[i] for i in kept),
+        )
+        keep = sorted(kept | with_ancestors(ranked[:size]))
+        if len(keep) == len(joined):
+            return joined
+        self.cut_nodes += len(joined) - len(keep)
+        index = {old: new for new, old in enumerate(keep)}
+        self._joined = [[index.get(node) for node in mapped] for mapped in self._joined]
+        return joined.select(keep)
 
     def verify_forward(self, target, tokens: list[int], parents: list[int] | None) -> torch.Tensor:
         """The member that drafted inside the target runs the pass (see ``__init__``)."""
@@ -117,9 +188,26 @@ class MergeProposer(Proposer):
             return self._pass_owner.verify_forward(target, tokens, parents)
         return super().verify_forward(target, tokens, parents)
 
-    def observe(self, state, acceptance: Acceptance) -> None:
-        for member, draft in zip(self.members, self._drafts):
-            member.observe(state, Acceptance(follow_tokens(draft, acceptance.tokens), acceptance.tokens))
+    def observe(self, state, round: Round) -> None:
+        self.sizer.observe(round)
+        verified = set(round.verified)
+        for member, draft, joined, seconds in zip(self.members, self._drafts, self._joined, self._seconds):
+            member_of = {}  # joined node -> the member's node
+            for node, joined_node in enumerate(joined):
+                if joined_node is not None:  # None: cut by the joint budget
+                    member_of.setdefault(joined_node, node)
+            path: list[int] = []
+            for joined_node in round.path:  # the member's nodes along the accepted path, from the root
+                node = member_of.get(joined_node)
+                if node is None or draft.parents[node] != (path[-1] if path else -1):
+                    break
+                path.append(node)
+            seen = [
+                node
+                for node, joined_node in enumerate(joined)
+                if joined_node is not None and joined_node in verified
+            ]
+            member.observe(state, Round(draft, path, seen, round.tokens, seconds, round.verify_seconds))
 
     def finish(self, state) -> None:
         for member in self.members:
@@ -134,6 +222,8 @@ class MergeProposer(Proposer):
             "members": [{"name": member.name, **member.describe()} for member in self.members],
             "nodes_from_each_member": self.own_nodes,
             "nodes_shared": self.merged_nodes,
+            "joint_budget": self.config.joint_budget,
+            "nodes_cut_by_joint_budget": self.cut_nodes,
         }
 
 

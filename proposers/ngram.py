@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.engine.draft import Draft
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import register_proposer
 from decoders.sizing.draft_length import DraftLengthPolicy
@@ -49,7 +49,6 @@ class NgramProposer(Proposer):
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # tokens[:_indexed] are in the index
         self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
-        self._last: tuple[int, Draft] | None = None  # (matched suffix length, draft) of the round
 
     def begin(self, state) -> None:
         self._index = {}
@@ -83,18 +82,17 @@ class NgramProposer(Proposer):
                     length = self.policy.choose(n, max(len(c) for c in continuations))
                     continuations = [c[:length] for c in continuations if length]
                     if not continuations:
-                        self._last = None
                         return Draft.empty()
-                draft = tree_from_sequences(continuations)
-                self._last = (n, draft)
-                return draft
-        self._last = None
+                    draft = tree_from_sequences(continuations)
+                    survival = self.policy.values(n, length)  # the estimates it was sized by
+                    draft.values = [survival[depth] for depth in draft.depths]
+                    return draft
+                return tree_from_sequences(continuations)
         return Draft.empty()
 
-    def observe(self, state, acceptance) -> None:
-        if self.policy is not None and self._last is not None:
-            n, draft = self._last
-            self.policy.record(n, max(draft.depths) + 1, acceptance.num_accepted)
+    def observe(self, state, round: Round) -> None:
+        if self.policy is not None:
+            self.policy.observe(round)  # counted under the matched length it chose for
 
     def describe(self) -> dict:
         return {"draft_length_rates": self.policy.as_dict()} if self.policy is not None else {}

@@ -13,12 +13,13 @@ is grown best-first (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975).
 A node's chance of acceptance, given its parent's, is read from how often
 nodes like it were accepted, counted per (depth, share of the occurrences that
 continued with its token (smoothed: count / (occurrences + 1)), source,
-match-length bucket) in a
-:class:`decoders.sizing.dynamic_tree.NodeCalibration`: the two sources are weighed
-separately, and a long match counts for more than a short one. The two trees
-are joined (a node present in both takes the better estimate) and the round
-keeps the n best nodes, n chosen from the target's cost T(n) and the drafting
-time by :func:`decoders.sizing.dynamic_tree.best_tree_size`, down to no draft.
+match-length bucket) in an :class:`decoders.sizing.acceptance.AcceptanceStats`
+(the confident convention: the frequency is taken at its word until measured):
+the two sources are weighed separately, and a long match counts for more than a
+short one. The two trees are joined (a node present in both takes the better
+estimate) and the round keeps the n best nodes, n chosen from the target's cost
+T(n) and the drafting time by :func:`decoders.sizing.search.best_size`, down to no
+draft (with a one-node probe every ``explore_every`` rounds switched off).
 
 Nodes are chosen deterministically (``draft_probs`` None): every verifier treats
 them as point masses, so the proposer is lossless at any temperature. With
@@ -31,35 +32,29 @@ import heapq
 import json
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import register_proposer
-from decoders.sizing.dynamic_tree import NodeCalibration, best_tree_size
+from decoders.sizing.acceptance import AcceptanceStats
+from decoders.sizing.dynamic_tree import confidence_key
+from decoders.sizing.search import PassSeconds, Probe, Sizer, best_size
 from proposers.suffix_index import State, SuffixIndex
 
 REQUEST, MEMORY = "request", "memory"
 MEMORY_FORMAT = 1
 
 
-class SourceCalibration(NodeCalibration):
-    """NodeCalibration whose keys also name the index a node came from and how long
-    the match behind it was: (depth, frequency bucket, source, match bucket)."""
+def source_key(depth: int, frequency: float, source: str, match_length: int) -> tuple:
+    """A suffix node's key: (depth, frequency bucket, source, match-length bucket)."""
+    return (*confidence_key(depth, frequency), source, min(match_length.bit_length(), 5))
 
-    def source_key(self, depth: int, frequency: float, source: str, match_length: int) -> tuple:
-        return (*self.key(depth, frequency), source, min(match_length.bit_length(), 5))
 
-    def as_dict(self) -> dict:
-        return {
-            f"{source}_match{2 ** (m - 1)}+_depth{d}_f{b / self.buckets:.1f}": {
-                "tried": n,
-                "rate": round(self.rate((d, b, source, m)), 4),
-            }
-            for (d, b, source, m), n in sorted(self.tried.items())
-        }
+def source_label(key: tuple) -> str:
+    depth, bucket, source, match = key
+    return f"{source}_match{2 ** (match - 1)}+_depth{depth}_f{bucket / 10:.1f}"
 
 
 @dataclass
@@ -92,16 +87,15 @@ class SuffixProposer(Proposer):
                 f"got {config.memory_requests} and {config.memory_tokens}"
             )
         self.depth = config.max_match + config.k  # a match and its continuation fit in the index
-        self.calibration = SourceCalibration()
+        self.calibration = AcceptanceStats.confident()  # keys: source_key(...)
+        self.sizer = Sizer()  # drafting seconds per round
         self._loaded = self._load_memory()  # the memory file's requests, what forget() returns to
         self.memory = self._memory_of(self._loaded)
         self.request = SuffixIndex(self.depth)
         self._indexed = 0  # tokens of the request in self.request
-        self._seconds: list[float] | None = None  # T(1) .. T(max_nodes + 1), non-decreasing
-        self._draft_seconds = 0.0
-        self._rounds = 0
-        self._switched_off = 0  # rounds where candidates existed but no draft paid
-        self._last: tuple[Draft, list[tuple], float] | None = None  # (draft, node keys, drafting seconds)
+        self._pass_seconds = PassSeconds(context.cost_curve, config.max_nodes + 1)
+        self._probe = Probe(config.explore_every)  # rounds where candidates existed but no draft paid
+        self._keys: list[tuple] | None = None  # the last draft's node keys
         self.sizes: dict[int, int] = {}  # nodes per round -> rounds
         self.matched = {REQUEST: 0, MEMORY: 0}  # rounds where each source had a match
         self.accepted_from = {REQUEST: 0, MEMORY: 0}  # accepted nodes, by the source that ranked them
@@ -114,7 +108,6 @@ class SuffixProposer(Proposer):
         self._indexed = 0
 
     def propose(self, state) -> Draft:
-        tick = time.perf_counter()
         tokens = state.tokens
         self.request.extend(tokens[self._indexed :])
         self._indexed = len(tokens)
@@ -124,25 +117,21 @@ class SuffixProposer(Proposer):
                 candidates[path] = candidate
         ranked = sorted(candidates.items(), key=lambda item: (-item[1].value, len(item[0])))
         size = self._size([c.value for _, c in ranked]) if ranked else 0
-        draft, keys = tree_of(ranked[:size])
-        self._last = (draft, keys, time.perf_counter() - tick)
+        draft, self._keys = tree_of(ranked[:size])
         self.sizes[size] = self.sizes.get(size, 0) + 1
         return draft
 
-    def observe(self, state, acceptance) -> None:
-        if self._last is None:
+    def observe(self, state, round: Round) -> None:
+        if self._keys is None:
             return
-        draft, keys, seconds = self._last
-        self._last = None
-        path = follow_tokens(draft, acceptance.tokens)
-        self.calibration.record(draft, keys, path)
-        for node in path:
+        keys, self._keys = self._keys, None
+        self.calibration.record_round(round, keys)
+        for node in round.path:
             self.accepted_from[keys[node][2]] += 1
-        self._draft_seconds += seconds
-        self._rounds += 1
+        self.sizer.observe(round)
 
     def finish(self, state) -> None:
-        self._last = None
+        self._keys = None
         if self.config.memory_requests == 0 or self.config.memory_tokens == 0:
             return
         self.memory.add_document(state.tokens[-self.config.memory_tokens :])
@@ -180,7 +169,7 @@ class SuffixProposer(Proposer):
                 # occurrence added: 1 of 1 is 0.5, 5 of 5 is 0.83 (few occurrences prove little)
                 frequency = child.count / (total + 1)
                 depth = len(path)
-                key = self.calibration.source_key(depth, frequency, source, match_length)
+                key = source_key(depth, frequency, source, match_length)
                 rate = self.calibration.rate(key) if self.config.adaptive else frequency
                 order += 1
                 heapq.heappush(frontier, (negative * rate, order, path + (child.token,), child.state, key))
@@ -191,18 +180,8 @@ class SuffixProposer(Proposer):
         the number that maximises expected tokens per second, possibly none."""
         if not self.config.adaptive:
             return min(len(values), self.config.max_nodes)
-        draft_seconds = self._draft_seconds / max(self._rounds, 1)
-        size, _ = best_tree_size(values, self._pass_seconds(), draft_seconds, allow_empty=True)
-        if size == 0:
-            self._switched_off += 1
-            if self._switched_off % self.config.explore_every == 0:
-                return 1  # keep measuring what is switched off, so that it can recover
-        return size
-
-    def _pass_seconds(self) -> list[float]:
-        if self._seconds is None:
-            self._seconds = self.context.cost_curve().non_decreasing(self.config.max_nodes + 1)
-        return self._seconds
+        size, _ = best_size(values, self._pass_seconds(), self.sizer.mean_draft_seconds, allow_empty=True)
+        return self._probe(None, size)
 
     # ------------------------------------------------------------------ memory
 
@@ -238,7 +217,7 @@ class SuffixProposer(Proposer):
             "accepted_nodes_from": dict(self.accepted_from),
             "memory_requests": self.memory.documents,
             "memory_tokens": self.memory.tokens,
-            "acceptance_by_source_match_depth_frequency": self.calibration.as_dict(),
+            "acceptance_by_source_match_depth_frequency": self.calibration.as_dict(source_label),
         }
 
 
@@ -255,7 +234,7 @@ def tree_of(ranked: list[tuple[tuple, Candidate]]) -> tuple[Draft, list[tuple]]:
         tokens.append(path[-1])
         parents.append(node_of[path[:-1]] if len(path) > 1 else -1)
         keys.append(candidate.key)
-    return Draft(tokens, parents), keys
+    return Draft(tokens, parents, values=[c.value for _, c in ordered]), keys
 
 
 def save_memory(memory: SuffixIndex, path: Path, target: str) -> None:

@@ -9,7 +9,8 @@ import torch
 
 from decoders.engine.draft import Draft
 from decoders.models.cost import CostCurve
-from decoders.sizing.dynamic_tree import DynamicTree, NodeCalibration, grow
+from decoders.sizing.acceptance import AcceptanceStats
+from decoders.sizing.dynamic_tree import DynamicTree, grow
 
 VOCAB = 6
 
@@ -81,7 +82,7 @@ def test_auto_budget_keeps_the_size_with_the_most_expected_tokens_per_second():
     # Measured never to be accepted: the smallest draft (one node, still free).
     for depth in range(4):
         for bucket in range(10):
-            tree.calibration.tried[(depth, bucket)] += 1000
+            tree.stats.tried[(depth, bucket)] += 1000
     assert len(tree.build(ROOT, fixed_expand([]), "test")) == 1
     # A pass that costs the same at any width takes every candidate.
     assert len(DynamicTree(2, 3, "auto", flat).build(ROOT, fixed_expand([]), "test")) == 2 + 2 * 2 * 2
@@ -118,7 +119,7 @@ def test_auto_trees_expand_only_the_frontier_nodes_whose_children_could_be_kept(
 
 
 def test_calibration_counts_tried_and_accepted_nodes():
-    calibration = NodeCalibration(buckets=10)
+    calibration = AcceptanceStats.confident(buckets=10)
     draft = Draft([5, 6, 7, 8], [-1, -1, 0, 0])  # two roots; node 0 has children 2 and 3
     keys = [(0, 9), (0, 1), (1, 5), (1, 5)]
     assert calibration.rate((0, 9)) == pytest.approx(0.95)  # the prior: the bucket's own probability

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import RegistryError, build, proposer_registry
-from proposers.merge import MergeProposer
+from decoders.models.cost import CostCurve
+from decoders.sizing.search import PassSeconds, Sizer, best_size
+from proposers.merge import MAX_JOINED_NODES, MergeProposer
 from tests.conftest import random_prompts
 
 
@@ -26,20 +28,24 @@ class FixedProposer(Proposer):
     def __init__(self, draft: Draft) -> None:
         super().__init__(self.Config(), None)
         self.draft = draft
-        self.observed: list[Acceptance] = []
+        self.observed: list[Round] = []
 
     def propose(self, state) -> Draft:
         return self.draft
 
-    def observe(self, state, acceptance) -> None:
-        self.observed.append(acceptance)
+    def observe(self, state, round) -> None:
+        self.observed.append(round)
 
 
-def merged(*drafts: Draft) -> tuple[MergeProposer, list[FixedProposer]]:
+def merged(*drafts: Draft, joint_curve: CostCurve | None = None) -> tuple[MergeProposer, list[FixedProposer]]:
+    """A merge of fixed members; with ``joint_curve``, sizing the joined tree under that T(n)."""
     proposer = MergeProposer.__new__(MergeProposer)
     members = [FixedProposer(d) for d in drafts]
-    proposer.members, proposer._drafts = members, []
-    proposer.merged_nodes, proposer.own_nodes = 0, [0] * len(members)
+    proposer.config = MergeProposer.Config(members=[], joint_budget=joint_curve is not None)
+    proposer.members, proposer._drafts, proposer._joined, proposer._seconds = members, [], [], []
+    proposer.merged_nodes, proposer.own_nodes, proposer.cut_nodes = 0, [0] * len(members), 0
+    proposer.sizer = Sizer()
+    proposer._pass_seconds = PassSeconds(lambda: joint_curve, MAX_JOINED_NODES + 1)
     return proposer, members
 
 
@@ -87,10 +93,61 @@ def test_each_member_observes_its_own_accepted_path():
     chain = Draft.chain([1, 2, 3])
     tree = Draft([4, 1, 5], [-1, -1, 1])  # 4; 1 -> 5
     proposer, (first, second) = merged(chain, tree)
-    proposer.propose(None)
-    proposer.observe(None, Acceptance(path=[0, 4], tokens=[1, 5, 9]))  # merged nodes: 1 then 5
+    joined = proposer.propose(None)
+    proposer.observe(None, Round.of(joined, [0, 4], [1, 5, 9]))  # merged nodes: 1 then 5
     assert first.observed[-1].path == [0] and first.observed[-1].tokens == [1, 5, 9]
     assert second.observed[-1].path == [1, 2]
+    assert first.observed[-1].draft is chain and second.observed[-1].draft is tree
+    assert first.observed[-1].verified == [0, 1, 2] and second.observed[-1].verified == [0, 1, 2]
+
+
+def test_members_see_only_the_nodes_the_target_saw():
+    """A chain verifier keeps the joined principal path: the second member's own nodes
+    were not tried, and a path through a shared node is the member's path too."""
+    chain = Draft.chain([1, 2, 3])
+    other = Draft.chain([1, 7])  # shares node 1 with the chain
+    proposer, (first, second) = merged(chain, other)
+    joined = proposer.propose(None)
+    principal = joined.principal_path()  # the chain's nodes
+    proposer.observe(None, Round(joined, principal[:1], principal, [1, 5]))
+    assert first.observed[-1].path == [0] and first.observed[-1].verified == [0, 1, 2]
+    assert second.observed[-1].path == [0] and second.observed[-1].verified == [0]
+
+
+def test_a_joint_budget_keeps_no_more_of_the_joined_tree_than_pays():
+    """Two members' estimates, one shared root (counted once, at the better estimate):
+    under T(m) = 1 + 0.1 (m - 1) the joined tree keeps exactly the best-first nodes that
+    pay for the wider pass (brute force), under a flat T(n) every node."""
+    chain = Draft.chain([1, 2, 3], values=[0.9, 0.5, 0.05])
+    other = Draft([1, 7], [-1, 0], values=[0.8, 0.3])  # shares the root with the chain
+    linear = CostCurve({1: 1.0, 64: 7.3})
+    proposer, (first, second) = merged(chain, other, joint_curve=linear)
+    draft = proposer.propose(None)
+    ranked = [0.9, 0.5, 0.3, 0.05]  # the joined tree's four nodes
+    best, best_rate = 0, 1.0 / linear(1)
+    for n in range(1, 5):  # no bigger tree gains 1% over the best smaller one
+        rate = (1 + sum(ranked[:n])) / linear(n + 1)
+        if rate > best_rate * 1.01:
+            best, best_rate = n, rate
+    assert len(draft) == best == best_size(ranked, linear.non_decreasing(5), allow_empty=True)[0] == 3
+    assert draft.tokens == [1, 2, 7] and draft.parents == [-1, 0, 0] and proposer.cut_nodes == 1
+    proposer.observe(None, Round.of(draft, [0, 2], [1, 7, 4]))  # the root, then 7
+    assert first.observed[-1].path == [0] and first.observed[-1].verified == [0, 1]  # node 2 was cut
+    assert second.observed[-1].path == [0, 1] and second.observed[-1].verified == [0, 1]
+    flat, _ = merged(chain, other, joint_curve=CostCurve({1: 1.0, 64: 1.0}))
+    assert len(flat.propose(None)) == 4
+
+
+def test_a_joint_budget_keeps_sampled_and_unestimated_nodes():
+    """Nodes whose members give no estimate, and sampled nodes (a cut must not depend on
+    a sampled token), stay, with their ancestors, however dear the pass."""
+    steep = CostCurve({1: 1.0, 64: 64.0})
+    sampled = Draft.chain([1, 2], torch.full((2, 4), 0.25))
+    unestimated = Draft.chain([3, 0])
+    estimated = Draft.chain([3, 0, 2], values=[0.2, 0.1, 0.05])
+    proposer, _ = merged(sampled, unestimated, estimated, joint_curve=steep)
+    draft = proposer.propose(None)
+    assert draft.tokens == [1, 2, 3, 0] and draft.parents == [-1, 0, -1, 2]  # the estimated leaf cut
 
 
 MEMBERS = [
@@ -104,6 +161,18 @@ MEMBERS = [
         {"name": "draft_model", "tree": True, "k": 2, "tree_width": 2, "tree_budget": 4},
     ],
 ]
+
+
+def test_a_joint_budget_stays_lossless(tiny_pipeline):
+    members = [{"name": "suffix", "k": 4, "max_nodes": 6}, {"name": "draft_model", "tree": True, "k": 3,
+               "tree_width": 2, "tree_budget": "auto"}, {"name": "ngram", "branches": 2}]  # fmt: skip
+    for verifier in ("tree", "greedy"):
+        pipeline = tiny_pipeline.with_components(
+            {"name": "merge", "members": members, "joint_budget": True}, verifier
+        )
+        for prompt in random_prompts(4, seed=7):
+            assert pipeline.generate(prompt, 20).tokens == tiny_pipeline.generate(prompt, 20).tokens
+        assert pipeline.proposer.describe()["joint_budget"] is True
 
 
 @pytest.mark.parametrize("members", MEMBERS, ids=["chain+chain", "tree+tree", "suffix+tree"])

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoders.engine.context import PipelineContext
-from decoders.engine.draft import Acceptance
+from decoders.engine.draft import Round
 from decoders.engine.registry import build, proposer_registry
 from decoders.engine.sampling import SamplingConfig
 from decoders.evaluation.audit import sample_outcomes
@@ -195,9 +195,9 @@ class _State:
         self.tokens = tokens
 
 
-def _accept_nothing(draft) -> Acceptance:
-    """The verdict of a round whose every draft node was rejected (token -1: none of them)."""
-    return Acceptance([], [-1])
+def _accept_nothing(draft) -> Round:
+    """A round whose every draft node was rejected (token -1: none of them)."""
+    return Round.of(draft, [], [-1])
 
 
 def test_memory_drafts_a_repeated_request_in_few_passes(tiny_pipeline):

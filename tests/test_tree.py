@@ -23,14 +23,17 @@ from scipy.stats import chisquare
 
 from decoders.engine.context import PipelineContext
 from decoders.engine.decoding import StopConditions, decode
-from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, proposer_registry
 from decoders.engine.sampling import SamplingConfig, processed_probs, sample
 from decoders.models.cost import CostCurve
 from decoders.models.loading import ModelConfig, tiny_draft_model, tiny_random_model
 from decoders.models.session import ModelSession
-from decoders.sizing.tree_budget import AcceptanceProfile, BudgetTuner, best_budget
+from decoders.sizing.acceptance import AcceptanceStats
+from decoders.sizing.draft_length import DraftLengthPolicy
+from decoders.sizing.search import best_size
+from decoders.sizing.tree_budget import TreeBudget, node_probabilities, rank_keys
 from proposers.ngram import tree_from_sequences
 from tests.conftest import random_prompts
 from verifiers.greedy import GreedyVerifier
@@ -322,11 +325,14 @@ def _is_ancestor(draft: Draft, candidate: int, node: int) -> bool:
     return False
 
 
-def test_follow_tokens_finds_the_accepted_path():
-    tree = tree_from_sequences([[1, 2, 3], [1, 4], [5, 6]])
-    assert follow_tokens(tree, [1, 4, 9]) == [0, 3]
-    assert follow_tokens(tree, [5, 6, 7]) == [4, 5]
-    assert follow_tokens(tree, [7]) == []
+def test_nodes_in_maps_a_pruned_draft_back_to_the_proposed_one():
+    tree = tree_from_sequences([[1, 2, 3], [1, 4], [5, 6]])  # 0:1 1:2 2:3 3:4 4:5 5:6
+    assert tree.select([0, 1, 3]).select([0, 2]).nodes_in(tree) == [0, 3]  # through every select
+    assert tree.as_chain().nodes_in(tree) == [0, 1, 2] and tree.nodes_in(tree) == list(range(6))
+    # a draft built anew (no selection) is matched by (parent, token) from the root
+    assert Draft.chain([1, 4, 9]).nodes_in(tree) == [0, 3, None]
+    assert Draft.chain([5, 6, 7]).nodes_in(tree) == [4, 5, None]
+    assert Draft.chain([7, 1]).nodes_in(tree) == [None, None]
 
 
 def test_tree_option_is_validated(tiny_model, tiny_config):
@@ -341,51 +347,91 @@ def test_tree_option_is_validated(tiny_model, tiny_config):
 # ------------------------------------------------------------------- tree budget
 
 
-def test_acceptance_profile_counts_tried_and_accepted_nodes():
+def test_depth_rank_statistics_count_tried_and_accepted_nodes():
     tree = tree_from_sequences([[1, 2, 3], [1, 4], [5, 6]])  # root children 0 (1), 4 (5)
-    profile = AcceptanceProfile()
-    profile.record(tree, [0, 3])  # accepted 1 then 4 (node 0's second child)
-    assert profile.tried == Counter({(0, 0): 1, (0, 1): 1, (1, 0): 1, (1, 1): 1})
-    assert profile.accepted == Counter({(0, 0): 1, (1, 1): 1})
-    profile.record(tree, [])
-    assert profile.rate(0, 0) == 0.5 and profile.rate(1, 1) == 1.0 and profile.rate(5, 0) == 0.0
+    stats = AcceptanceStats.measured()
+    keys = rank_keys(tree)
+    stats.record(tree, keys, [0, 3])  # accepted 1 then 4 (node 0's second child)
+    assert stats.tried == Counter({(0, 0): 1, (0, 1): 1, (1, 0): 1, (1, 1): 1})
+    assert stats.accepted == Counter({(0, 0): 1, (1, 1): 1})
+    stats.record(tree, keys, [])
+    assert stats.rate((0, 0)) == 0.5 and stats.rate((1, 1)) == 1.0 and stats.rate((5, 0)) == 0.0
+    stats.record(tree, keys, [0], verified=[0, 1, 2])  # a chain verifier kept the principal path
+    assert stats.tried[(1, 1)] == 1 and stats.tried[(0, 1)] == 2  # node 3 unseen, node 4 seen
 
 
-def test_node_probabilities_and_best_budget():
-    profile = AcceptanceProfile()
+def test_node_probabilities_and_best_size():
+    stats = AcceptanceStats.measured()
     rates = {(0, 0): 0.8, (0, 1): 0.1, (1, 0): 0.5, (2, 0): 0.5}
     for key, rate in rates.items():
-        profile.tried[key] = 10
-        profile.accepted[key] = round(rate * 10)
+        stats.tried[key] = 10
+        stats.accepted[key] = round(rate * 10)
     # paths (ranks): 0 -> 0.8, 0.0 -> 0.4, 0.0.0 -> 0.2, 1 -> 0.1, 1.0 -> 0.05, 1.0.0 -> 0.025;
     # depth 3 was never accepted, so nothing deeper.
     values = [0.8, 0.4, 0.2, 0.1, 0.05, 0.025]
-    assert profile.node_probabilities(10) == pytest.approx(values)
-    assert profile.node_probabilities(2) == pytest.approx(values[:2])
-    flat = CostCurve({1: 1.0, 64: 1.0})  # wide passes are free: take every useful node
-    assert best_budget(profile, flat, 0.0, 20)[0] == 6
-    steep = CostCurve({1: 1.0, 2: 2.0, 64: 64.0})  # T(n) = n: no node pays for itself beyond the first
-    n, tokens_per_s = best_budget(profile, steep, 0.0, 20)
+    assert node_probabilities(stats, 10) == pytest.approx(values)
+    assert node_probabilities(stats, 2) == pytest.approx(values[:2])
+    flat = CostCurve({1: 1.0, 64: 1.0}).non_decreasing(21)  # wide passes are free: every node that gains 1%
+    assert best_size(node_probabilities(stats, 20), flat)[0] == 5  # the 6th adds 0.025 / 2.55 < 1%
+    assert best_size(node_probabilities(stats, 20), flat, min_gain=0.0)[0] == 6
+    steep = CostCurve({1: 1.0, 2: 2.0, 64: 64.0}).non_decreasing(21)  # T(n) = n: only the first pays
+    n, tokens_per_s = best_size(node_probabilities(stats, 20), steep)
     assert n == 1 and tokens_per_s == pytest.approx(1.8 / 2.0)
-    # T(n) = 1 + 0.1 n with a draft cost of 0.5: brute force over n
+    # T(n) = 1 + 0.1 n with a draft cost of 0.5: brute force over n, each bigger tree
+    # taken only if it beats the best smaller one by 1%
     linear = CostCurve({1: 1.1, 64: 7.4})
-    rates_by_n = {n: (1 + sum(values[:n])) / (1 + 0.1 * (n + 1) + 0.5) for n in range(1, 20)}
-    assert best_budget(profile, linear, 0.5, 19)[0] == max(rates_by_n, key=rates_by_n.get)
+    best, best_rate = 1, 1.8 / 1.7
+    for n in range(2, 20):
+        rate = (1 + sum(values[:n])) / (1 + 0.1 * (n + 1) + 0.5)
+        if rate > best_rate * 1.01:
+            best, best_rate = n, rate
+    assert best_size(node_probabilities(stats, 19), linear.non_decreasing(20), 0.5)[0] == best == 3
 
 
-def test_budget_tuner_explores_then_retunes_once_per_period():
+def test_noisy_curve_does_not_grow_a_static_tree():
+    """T(4) < T(3) is noise: a third node adding 0.5% more tokens must not look cheaper
+    (the old static budget search, with neither guard, took it)."""
+    noisy = CostCurve({1: 1.0, 2: 1.0, 3: 1.0, 4: 0.99})
+    values = [0.9, 0.5, 0.012]
+    assert best_size(values, [noisy(m) for m in range(1, 5)], min_gain=0.0)[0] == 3
+    assert best_size(values, noisy.non_decreasing(4))[0] == 2
+
+
+def test_tree_budget_explores_then_retunes_once_per_period():
     calls = []
 
     def curve() -> CostCurve:
         calls.append(1)
         return CostCurve({1: 1.0, 2: 2.0, 64: 64.0})
 
-    profile = AcceptanceProfile()
-    tuner = BudgetTuner(profile, curve, max_nodes=12, every=4)
-    assert tuner.budget == 12  # explores the full tree first
+    budget = TreeBudget(curve, max_nodes=12, every=4)
+    assert budget.budget == 12  # explores the full tree first
     for _ in range(8):
-        tuner.observe_draft_seconds(0.0)
-    assert tuner.budget == 1 and len(calls) == 1
+        budget.observe(Round.of(Draft.empty(), [], [0]))
+    assert budget.budget == 1 and len(calls) == 1
+    assert budget.describe() == {"acceptance_by_depth_rank": {}}
+
+
+def test_a_chain_is_sized_alike_as_a_chain_and_as_a_one_branch_tree():
+    """One search: the chain policy's length (survival products, a per-token drafting
+    cost) equals the best size of the same chain given as a tree of path values."""
+    curve = CostCurve({1: 1.0, 2: 1.02, 4: 1.1, 8: 1.5, 16: 3.0})
+    policy = DraftLengthPolicy(8, lambda: curve, explore_every=10**6)
+    for accepted in [8, 5, 3, 3, 2, 2, 1, 1, 0, 0, 6, 4]:
+        policy.record("s", 8, accepted)
+    chain = Draft.chain(list(range(8)))
+    keys = [("s", depth + 1) for depth in chain.depths]
+    tree_values = policy.stats.path_values(chain.parents, keys)  # a one-branch tree's node values
+    for per_token in (0.0, 0.01, 0.05, 0.3):
+        length = policy.choose("s", 8, per_token)
+        n, _ = best_size(
+            sorted(tree_values, reverse=True),
+            curve.non_decreasing(9),
+            seconds_per_node=per_token,
+            allow_empty=True,
+        )
+        assert length == n, per_token
+    assert policy.choose("s", 8, 0.0) > policy.choose("s", 8, 0.3)  # per-token cost shortens the chain
 
 
 # ------------------------------------------- sampling: the target's distribution, end to end

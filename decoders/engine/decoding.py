@@ -6,7 +6,8 @@
         logits = target.forward([pending] + draft)    ONE pass, tree mask if needed
         result = verifier.verify(draft, logits)       accepted path + 1 target token
         target.keep(accepted)             rejected nodes' KV entries dropped
-        proposer.observe(state, result)
+        proposer.observe(state, round)    the proposer's own draft, its accepted path in
+                                          the draft's numbering, draft and verify seconds
 
 With no proposer every round verifies an empty draft, i.e. emits one target
 token per pass: that is standard decoding, the baseline.
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.draft import Acceptance, Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, verifier_registry
 from decoders.engine.sampling import SamplingConfig, check_finite, next_token
@@ -36,7 +37,8 @@ class GenerationStats:
     proposed: int = 0  # draft tokens the target verified
     accepted: int = 0  # of those, accepted
     prefill_time: float = 0.0
-    draft_time: float = 0.0
+    draft_time: float = 0.0  # the proposer's work: propose and observe (pruning included)
+    observe_time: float = 0.0  # of draft_time, the part spent in observe
     verify_time: float = 0.0
     wall_time: float = 0.0
     draft_sizes: list[int] = field(default_factory=list)  # per round
@@ -66,6 +68,7 @@ class GenerationStats:
             "tokens_per_s": self.tokens_per_s,
             "prefill_time": self.prefill_time,
             "draft_time": self.draft_time,
+            "observe_time": self.observe_time,
             "verify_time": self.verify_time,
             "wall_time": self.wall_time,
         }
@@ -163,10 +166,10 @@ def decode(
 
     while not done:
         tick = time.perf_counter()
-        draft = Draft.empty() if proposer is None else proposer.propose(state)
+        proposed = Draft.empty() if proposer is None else proposer.propose(state)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
         budget = stop.max_new_tokens - len(output)
-        draft = verifier.prepare(draft.truncated(budget - 1))
+        draft = verifier.prepare(proposed.truncated(budget - 1))
         tock = time.perf_counter()
 
         block_start = len(target)
@@ -181,6 +184,7 @@ def decode(
         state.committed_rows = [0] + [node + 1 for node in acceptance.path]
         target.keep(block_start, state.committed_rows)
         state.hidden_row = state.committed_rows[-1]
+        verified = time.perf_counter()
 
         new, done = stop.cut(output, acceptance.tokens)
         output.extend(new)
@@ -190,15 +194,33 @@ def decode(
         stats.accepted += acceptance.num_accepted
         stats.draft_sizes.append(len(draft))
         stats.emitted_per_round.append(len(new))
-        stats.verify_time += time.perf_counter() - tock
+        stats.verify_time += verified - tock
+        stats.draft_time += tock - tick
         if on_tokens:
             on_tokens(new)
         if proposer is not None and not done:
-            proposer.observe(state, acceptance)
-        stats.draft_time += tock - tick
+            observing = time.perf_counter()
+            proposer.observe(state, _round(proposed, draft, acceptance, tock - tick, verified - tock))
+            stats.observe_time += time.perf_counter() - observing
+            stats.draft_time += time.perf_counter() - observing
 
     if proposer is not None:
         proposer.finish(state)
     stats.new_tokens = len(output)
     stats.wall_time = time.perf_counter() - start
     return GenerationOutput(output, stats)
+
+
+def _round(
+    proposed: Draft, verified: Draft, acceptance: Acceptance, draft_seconds: float, verify_seconds: float
+) -> Round:
+    """The round in the proposer's numbering: ``verified`` is ``proposed`` after the
+    engine's and the verifier's pruning, and the verdict's path is in its numbering."""
+    nodes = verified.nodes_in(proposed)
+    path: list[int] = []
+    for node in acceptance.path:
+        if nodes[node] is None:  # a node the verifier added: the proposer's path ends before it
+            break
+        path.append(nodes[node])
+    seen = [node for node in nodes if node is not None]
+    return Round(proposed, path, seen, acceptance.tokens, draft_seconds, verify_seconds)

@@ -14,6 +14,10 @@ Vocabulary used across the project:
 * **bonus token**: the token the target emits after the last node of a fully
   accepted path. Every round emits exactly one of the two, so a round emits
   ``len(path) + 1`` tokens.
+* **round**: one draft, one target pass, one verdict. A proposer learns of its
+  round through a :class:`Round`: its own draft, the accepted path in that
+  draft's numbering (whatever the engine and the verifier pruned on the way),
+  and the round's drafting and verification seconds.
 """
 
 from __future__ import annotations
@@ -34,12 +38,18 @@ class Draft:
         node i's token was drawn from, after the same temperature/top-k/top-p
         processing the target gets. ``None`` means the tokens were chosen
         deterministically, and verifiers treat each as a point mass.
+    values: optional n floats, the proposer's calibrated estimate that node i (its
+        whole path) is accepted (decoders/sizing); a joined tree (``merge``) sizes
+        itself from them. ``None``: not estimated.
     """
 
     tokens: list[int]
     parents: list[int]
     draft_probs: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    values: list[float] | None = None
+    # set by :meth:`select`: (the draft this one was selected from, its node of each of ours)
+    origin: tuple[Draft, list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -49,10 +59,14 @@ class Draft:
                 raise ValueError(f"draft node {i} has parent {parent}; parents must come before children")
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
             raise ValueError("draft_probs must have one row per draft node")
+        if self.values is not None and len(self.values) != len(self.tokens):
+            raise ValueError("values must hold one estimate per draft node")
 
     @classmethod
-    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> Draft:
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs)
+    def chain(
+        cls, tokens: list[int], draft_probs: torch.Tensor | None = None, values: list[float] | None = None
+    ) -> Draft:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, values=values)
 
     @classmethod
     def empty(cls) -> Draft:
@@ -97,7 +111,27 @@ class Draft:
             [self.tokens[i] for i in nodes],
             [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in nodes],
             None if self.draft_probs is None else self.draft_probs[nodes],
+            values=None if self.values is None else [self.values[i] for i in nodes],
+            origin=(self, list(nodes)),
         )
+
+    def nodes_in(self, ancestor: Draft) -> list[int | None]:
+        """Our nodes' indices in ``ancestor``, a draft we were made from: through the
+        :meth:`select` calls that made us, else by matching (parent, token) from the root
+        (None for a node ``ancestor`` lacks)."""
+        nodes: list = list(range(len(self)))
+        draft = self
+        while draft is not ancestor and draft.origin is not None:
+            draft, index = draft.origin
+            nodes = [index[i] for i in nodes]
+        if draft is ancestor:
+            return nodes
+        matched: list[int | None] = []
+        for token, parent in zip(self.tokens, self.parents):
+            row = 0 if parent < 0 else None if matched[parent] is None else matched[parent] + 1
+            siblings = [] if row is None else ancestor.children[row]
+            matched.append(next((c for c in siblings if ancestor.tokens[c] == token), None))
+        return matched
 
     def truncated(self, max_depth: int) -> Draft:
         """This draft without nodes deeper than ``max_depth`` levels (0 = empty)."""
@@ -128,15 +162,32 @@ class Acceptance:
         return len(self.path)
 
 
-def follow_tokens(draft: Draft, tokens: list[int]) -> list[int]:
-    """The draft nodes spelling the longest prefix of ``tokens`` from the root: given the
-    tokens committed after a round, the path the target accepted."""
-    path: list[int] = []
-    row = 0
-    for token in tokens:
-        node = next((c for c in draft.children[row] if draft.tokens[c] == token), None)
-        if node is None:
-            break
-        path.append(node)
-        row = node + 1
-    return path
+@dataclass
+class Round:
+    """What a proposer learns of its round (:meth:`Proposer.observe`).
+
+    draft:    the draft the proposer returned, as returned.
+    path:     the accepted nodes, root to deepest, in ``draft``'s numbering.
+    verified: the nodes of ``draft`` the target saw (the engine drops nodes past
+              ``max_new_tokens``, chain verifiers keep the principal path); a node
+              outside it was neither tried nor rejected.
+    tokens:   emitted tokens (accepted tokens + one correction or bonus token).
+    draft_seconds:  the engine's measure of drafting (``propose`` and the pruning).
+    verify_seconds: the target's pass, the verdict and the KV commit.
+    """
+
+    draft: Draft
+    path: list[int]
+    verified: list[int]
+    tokens: list[int]
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, draft: Draft, path: list[int], tokens: list[int], draft_seconds: float = 0.0) -> Round:
+        """A round in which the target saw the whole draft."""
+        return cls(draft, path, list(range(len(draft))), tokens, draft_seconds)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)

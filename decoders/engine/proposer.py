@@ -6,8 +6,11 @@ config), then serves one request at a time:
 
     begin(state)      a new request starts (prompt known, nothing generated)
     propose(state)    return a Draft: tokens as a tree, optionally with draft_probs
-    observe(state, acceptance)
-                      the verifier's decision; sync any private state
+    observe(state, round)
+                      the round's outcome (:class:`~decoders.engine.draft.Round`): the
+                      proposer's own draft, its accepted path in that draft's
+                      numbering, the engine's draft and verify seconds; sync any
+                      private state (its time counts as drafting time)
     finish(state)     the request is done (its tokens are final)
 
 ``state`` is the :class:`~decoders.engine.state.DecodeState` of the request. A
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from decoders.engine.draft import Acceptance, Draft
+from decoders.engine.draft import Draft, Round
 from decoders.engine.sampling import processed_probs, sample
 
 if TYPE_CHECKING:
@@ -55,8 +58,9 @@ class Proposer:
     def propose(self, state: DecodeState) -> Draft:
         raise NotImplementedError
 
-    def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
-        """Called after each round with what the verifier decided."""
+    def observe(self, state: DecodeState, round: Round) -> None:
+        """Called after each round the request goes on from, with its outcome. A proposer
+        needs no timer of its own: ``round.draft_seconds`` is the engine's measure."""
 
     def finish(self, state: DecodeState) -> None:
         """The request is done; ``state.tokens`` holds its prompt and whole output.

@@ -81,7 +81,9 @@ class AuditConfig:
     sampled_tokens: int = 3  # sampling test: leading generated tokens whose joint distribution is compared
     max_enumerable_vocab: int = 64  # vocabularies up to this size get the exact (enumerated) distribution
     alpha: float = 0.01  # the sampling test fails below this p-value
-    tie_tolerance: float | None = None  # greedy divergences with |logit gap| <= this are ties; null = by dtype
+    tie_tolerance: float | None = (
+        None  # greedy divergences with |logit gap| <= this are ties; null = by dtype
+    )
     require_lossless: bool = True  # refuse verifiers declaring lossless = False (false = measure their loss)
 
     def __post_init__(self) -> None:

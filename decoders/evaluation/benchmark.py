@@ -82,6 +82,7 @@ def pipeline_contender(pipeline: Pipeline) -> Contender:
         return Record(
             "", "", 0, 0, s.new_tokens, s.wall_time, result.tokens,
             s.target_passes, s.proposed, s.accepted, s.draft_time, s.verify_time, s.emitted_per_round,
+            observe_time=s.observe_time,
         )  # fmt: skip
 
     if pipeline.proposer is None:
@@ -219,7 +220,7 @@ def results_payload(
         speculative = contender.kind == "speculative"
         limit = physical_limit(records[contender.name], cost_curve) if speculative else None
         if limit:
-            entry.update(limit)  # ideal_speedup, mean_draft_size, draft_seconds_per_round
+            entry.update(limit)  # ideal_speedup, mean_draft_size, draft/observe_seconds_per_round
             entry["efficiency"] = entry["speedup"] / limit["ideal_speedup"]
         entry["lossless"] = contender.lossless
         entry["baseline"] = contender.baseline

@@ -34,10 +34,11 @@ class Record:
     target_passes: int | None = None  # None for peers (not instrumented)
     proposed: int | None = None
     accepted: int | None = None
-    draft_time: float | None = None
+    draft_time: float | None = None  # the proposer's work, observe included
     verify_time: float | None = None
     emitted_per_round: list[int] = field(default_factory=list)
     text: str | None = None  # decoded output, when the model has a tokenizer
+    observe_time: float | None = None  # of draft_time, the proposer's observe calls
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -159,7 +160,8 @@ def physical_limit(records: list[Record], pass_seconds: Callable[[float], float]
     return {
         "ideal_speedup": ideal,
         "mean_draft_size": mean_draft_size,
-        "draft_seconds_per_round": draft_seconds,
+        "draft_seconds_per_round": draft_seconds,  # observe included
+        "observe_seconds_per_round": sum(r.observe_time or 0.0 for r in instrumented) / passes,
     }
 
 

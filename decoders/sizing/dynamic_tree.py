@@ -15,14 +15,13 @@ model, Medusa heads step their sequential state):
     keeps a subset of the candidates. With an integer budget, the best
     ``budget`` by cumulative log-probability. With ``budget="auto"``, each
     round's own best size: every candidate gets an estimated acceptance
-    probability, the product along its path of :class:`NodeCalibration`'s
-    measured acceptance for nodes of its depth and confidence, and the tree
-    keeps the n best, where n maximises the expected tokens per second
-
-        (1 + sum of the n best estimates) / (T(n + 1) + D)
-
-    with T the target's pass cost curve (decoders/models/cost.py) and D the drafting
-    seconds per round measured so far. A node never outranks its parent (a
+    probability, the product along its path of the acceptance measured for
+    nodes of its depth and confidence (:meth:`AcceptanceStats.confident`: the
+    drafter's own probability until measured), and the tree keeps the n best, n
+    from :func:`decoders.sizing.search.best_size`: the most expected tokens per
+    second, (1 + sum of the n best estimates) / (T(n + 1) + D), with T the
+    target's pass cost curve and D the drafting seconds per round measured so
+    far (the engine's measure, :class:`~decoders.engine.draft.Round`). A node never outranks its parent (a
     product of factors <= 1, ties broken by depth), so any best-n set is a tree.
     Growth also stops early, at the level whose frontier is too unlikely to be
     accepted to pay for one more ``expand`` call (``DynamicTree._worth_expanding``), and
@@ -45,9 +44,11 @@ from typing import Any
 
 import torch
 
-from decoders.engine.draft import Draft
+from decoders.engine.draft import Draft, Round
 from decoders.engine.sampling import check_finite
 from decoders.models.cost import CostCurve
+from decoders.sizing.acceptance import CONFIDENCE_BUCKETS, AcceptanceStats, confidence_bucket
+from decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size
 
 # expand(frontier, rows, parents, depth) -> (len(frontier), n) logits of the children of the
 # frontier nodes (all at ``depth``); rows/parents describe every candidate grown so far (rows
@@ -113,72 +114,19 @@ def grow(
     return Candidates(rows, parents, scores, probs, depths)
 
 
-def best_tree_size(
-    values: list[float],
-    pass_seconds: list[float],
-    draft_seconds: float,
-    min_gain: float = 0.01,
-    allow_empty: bool = False,
-) -> tuple[int, float]:
-    """(n, expected tokens per second) of the best tree made of the n first candidates.
-
-    ``values``: the candidates' estimated acceptance probabilities in descending order
-    (so every prefix is a tree); ``pass_seconds[m]``: T(m + 1), the target's pass over the
-    pending token and m nodes; ``draft_seconds``: drafting time per round. A bigger tree
-    must beat a smaller one by ``min_gain``, as T is measured with noise. With
-    ``allow_empty``, n = 0 (no draft: a plain decoding step) competes too; otherwise the
-    smallest tree has one node.
-    """
-    best, best_rate = (0, 1.0 / (pass_seconds[0] + draft_seconds)) if allow_empty else (1, 0.0)
-    expected = 1.0  # the correction or bonus token
-    for n, value in enumerate(values[: len(pass_seconds) - 1], start=1):
-        expected += value
-        rate = expected / (pass_seconds[n] + draft_seconds)
-        if rate > best_rate * (1 + min_gain):
-            best, best_rate = n, rate
-    return best, best_rate
+def confidence_key(depth: int, probability: float, max_depth: int = 3) -> tuple[int, int]:
+    """A dynamic tree node's key in :meth:`AcceptanceStats.confident` statistics:
+    (depth, capped at ``max_depth``; the bucket of the drafter's probability)."""
+    return min(depth, max_depth), confidence_bucket(probability)
 
 
-class NodeCalibration:
-    """How often a tried draft node is accepted, per (depth, confidence bucket).
-
-    A node is tried when its parent was accepted (or it hangs from the pending
-    token). The estimate starts at the bucket's own probability (``prior``
-    pseudo-observations), so an uncalibrated drafter is taken at its word, and
-    moves to the measured share as rounds accumulate.
-    """
-
-    def __init__(self, buckets: int = 10, max_depth: int = 3, prior: float = 4.0) -> None:
-        self.buckets = buckets
-        self.max_depth = max_depth
-        self.prior = prior
-        self.tried: Counter = Counter()
-        self.accepted: Counter = Counter()
-
-    def key(self, depth: int, prob: float) -> tuple[int, int]:
-        return min(depth, self.max_depth), min(int(prob * self.buckets), self.buckets - 1)
-
-    def rate(self, key: tuple[int, int]) -> float:
-        middle = (key[1] + 0.5) / self.buckets
-        return (self.accepted[key] + self.prior * middle) / (self.tried[key] + self.prior)
-
-    def record(self, draft: Draft, keys: list[tuple[int, int]], path: list[int]) -> None:
-        on_path = set(path)
-        for row in [0] + [node + 1 for node in path]:
-            for child in draft.children[row]:
-                self.tried[keys[child]] += 1
-                self.accepted[keys[child]] += child in on_path
-
-    def as_dict(self) -> dict:
-        return {
-            f"depth{d}_p{b / self.buckets:.1f}": {"tried": n, "rate": round(self.rate((d, b)), 4)}
-            for (d, b), n in sorted(self.tried.items())
-        }
+def confidence_label(key: tuple) -> str:
+    return f"depth{key[0]}_p{key[1] / CONFIDENCE_BUCKETS:.1f}"
 
 
-class DynamicTree:
-    """A proposer's dynamic tree: shape options, the budget rule, and the calibration
-    it learns from verified rounds (``record``)."""
+class DynamicTree(Sizer):
+    """A proposer's dynamic tree: shape options, the budget rule, and the acceptance
+    statistics it learns from verified rounds (:meth:`observe`)."""
 
     def __init__(
         self,
@@ -186,8 +134,9 @@ class DynamicTree:
         depth: int,
         budget: Any,
         target_cost: Callable[[], CostCurve],
-        min_gain: float = 0.01,
+        min_gain: float = MIN_GAIN,
     ) -> None:
+        super().__init__()
         if width < 1:
             raise ValueError(f"proposer.tree_width must be >= 1, got {width}")
         if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
@@ -196,12 +145,9 @@ class DynamicTree:
         self.depth = depth
         self.budget = budget
         self.min_gain = min_gain
-        self.calibration = NodeCalibration()
-        self._target_cost = target_cost
-        self._seconds: list[float] | None = None  # T(1) .. T(max_nodes + 1), non-decreasing
-        self._draft_seconds = 0.0
-        self._rounds = 0
-        self._keys: list[tuple[int, int]] | None = None  # calibration keys of the last tree's nodes
+        self.stats = AcceptanceStats.confident()  # keys: confidence_key(depth, probability)
+        self._pass_seconds = PassSeconds(target_cost, self.max_nodes + 1)
+        self._keys: list[tuple[int, int]] | None = None  # keys of the last tree's nodes
         self._expand_seconds = 0.0  # summed over every expand call
         self._expands = 0
         self.sizes: Counter = Counter()  # nodes kept per round
@@ -212,7 +158,8 @@ class DynamicTree:
         return self.width + (self.depth - 1) * self.width * self.width
 
     def build(self, root_logits: torch.Tensor, expand: Expand, what: str) -> Draft:
-        """This round's tree, with the drafter's rows as tokens (the caller maps them to ids)."""
+        """This round's tree, with the drafter's rows as tokens (the caller maps them to
+        ids); :meth:`Draft.nodes_in` of the candidates' draft gives each node's candidate."""
         auto = self.budget == "auto"
         candidates = grow(
             root_logits,
@@ -222,33 +169,22 @@ class DynamicTree:
             what,
             self._worth_expanding if auto else None,
         )
-        keys = [self.calibration.key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
+        keys = [confidence_key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
         self.levels[1 + max(candidates.depths)] += 1
+        values = self.stats.path_values(candidates.parents, keys)
         if auto:
-            values = self._values(candidates)
             order = sorted(range(len(candidates)), key=lambda i: (-values[i], candidates.depths[i], i))
-            keep = order[: self._best_size([values[i] for i in order])]
+            keep = order[: self._best([values[i] for i in order])[0]]
         else:
             order = sorted(
                 range(len(candidates)), key=lambda i: (-candidates.scores[i], candidates.depths[i], i)
             )
             keep = order[: self.budget or len(order)]
         keep.sort()
-        draft = Draft(candidates.rows, candidates.parents).select(keep)
+        draft = Draft(candidates.rows, candidates.parents, values=values).select(keep)
         self._keys = [keys[i] for i in keep]
         self.sizes[len(draft)] += 1
         return draft
-
-    def _values(self, candidates: Candidates) -> list[float]:
-        """Each candidate's estimated acceptance probability: the calibrated rates of
-        its depth and confidence, multiplied along its path."""
-        values = [0.0] * len(candidates)
-        for i, (parent, depth, prob) in enumerate(
-            zip(candidates.parents, candidates.depths, candidates.probs)
-        ):
-            rate = self.calibration.rate(self.calibration.key(depth, prob))
-            values[i] = rate * (values[parent] if parent >= 0 else 1.0)
-        return values
 
     def _timed(self, expand: Expand) -> Expand:
         def timed(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
@@ -272,11 +208,12 @@ class DynamicTree:
         a level cannot pay.)"""
         if self._expands == 0:
             return frontier  # nothing measured yet
-        values = self._values(candidates)
+        keys = [confidence_key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
+        values = self.stats.path_values(candidates.parents, keys)
         depth = candidates.depths[frontier[0]] + 1
-        buckets = self.calibration.buckets
         best_rate = max(
-            self.calibration.rate(self.calibration.key(depth, (b + 0.5) / buckets)) for b in range(buckets)
+            self.stats.rate(confidence_key(depth, (b + 0.5) / CONFIDENCE_BUCKETS))
+            for b in range(CONFIDENCE_BUCKETS)
         )
         grown = sorted(values, reverse=True)
         _, now = self._best(grown)
@@ -288,27 +225,19 @@ class DynamicTree:
             return []
         return sorted(node for _, node in ranked[:size] if node is not None)
 
-    def _best_size(self, values: list[float]) -> int:
-        return self._best(values)[0]
-
     def _best(self, values: list[float], extra_seconds: float = 0.0) -> tuple[int, float]:
         """(n, expected tokens per second) of the best n-node tree, ``values`` in descending order."""
-        draft_seconds = self._draft_seconds / max(self._rounds, 1) + extra_seconds
-        return best_tree_size(values, self._pass_seconds(), draft_seconds, self.min_gain)
+        return best_size(
+            values, self._pass_seconds(), self.mean_draft_seconds + extra_seconds, min_gain=self.min_gain
+        )
 
-    def _pass_seconds(self) -> list[float]:
-        if self._seconds is None:
-            self._seconds = self._target_cost().non_decreasing(self.max_nodes + 1)
-        return self._seconds
-
-    def record(self, draft: Draft, path: list[int], draft_seconds: float) -> None:
-        """After verification of the last tree built (``draft``, its tokens mapped to ids or
-        not): ``path`` is its accepted path, ``draft_seconds`` what drafting it took."""
+    def observe(self, round: Round) -> None:
+        """After verification of the last tree built (``round.draft``: that tree, its tokens
+        mapped to ids or not)."""
+        super().observe(round)
         if self._keys is not None:
-            self.calibration.record(draft, self._keys, path)
+            self.stats.record_round(round, self._keys)
         self._keys = None
-        self._draft_seconds += draft_seconds
-        self._rounds += 1
 
     def describe(self) -> dict:
         rounds = sum(self.sizes.values())
@@ -324,5 +253,5 @@ class DynamicTree:
             "mean_tree_nodes": round(sum(n * c for n, c in self.sizes.items()) / rounds, 3)
             if rounds
             else None,
-            "acceptance_by_depth_confidence": self.calibration.as_dict(),
+            "acceptance_by_depth_confidence": self.stats.as_dict(confidence_label),
         }

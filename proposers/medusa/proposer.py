@@ -28,7 +28,6 @@ distribution, for sequential heads the head given the drafted path.
 from __future__ import annotations
 
 import heapq
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +35,16 @@ from typing import Any
 import torch
 
 from decoders.engine.context import artifact_source
-from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite, processed_probs, sample
 from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
-from decoders.sizing.draft_length import DraftLengthPolicy, confidence_bucket
+from decoders.sizing.acceptance import confidence_bucket
+from decoders.sizing.draft_length import DraftLengthPolicy
 from decoders.sizing.dynamic_tree import DynamicTree
-from decoders.sizing.tree_budget import AcceptanceProfile, BudgetTuner
+from decoders.sizing.search import Sizer
+from decoders.sizing.tree_budget import TreeBudget
 from proposers.copy_attention import ContextMemory
 from proposers.medusa.artifact import CONFIG_FILE, load_artifact
 from proposers.medusa.heads import MedusaHeads
@@ -222,28 +223,26 @@ class MedusaProposer(Proposer):
         self.tree = None if choices is None else build_tree(choices, self.num_heads)
         self._choices = [list(c) for c in choices or []]  # in order of expected acceptance
         self._trees = {len(self._choices): self.tree}  # node budget -> (depths, ranks, parents)
-        self.profile = AcceptanceProfile()
         budget = config.tree_budget
         if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
             raise ValueError(f"proposer.tree_budget must be null, a positive integer or auto, got {budget!r}")
-        auto = budget == "auto" and self.tree is not None
-        self.tuner = BudgetTuner(self.profile, context.cost_curve, len(self._choices)) if auto else None
-        self._last_tree: Draft | None = None
-        self._draft_seconds = 0.0
-        self.policy = DraftLengthPolicy(self.num_heads, context.cost_curve) if config.adaptive else None
-        self._last: tuple[int, int] | None = None  # (policy key, draft length) of the round
+        self.tuner = (
+            TreeBudget(context.cost_curve, len(self._choices))
+            if budget == "auto" and self.tree is not None
+            else None
+        )
+        self.policy = (
+            DraftLengthPolicy(self.num_heads, context.cost_curve)
+            if config.adaptive and self.tree is None and self.dynamic is None
+            else None
+        )
+        # the one sizer of this shape (None: a fixed size): it learns from every round
+        self.sizer: Sizer | None = self.dynamic or self.tuner or self.policy
         self.memory: ContextMemory | None = None  # copy heads: the request's committed context
 
     @property
     def sampled(self) -> bool:
         return self.dynamic is None  # dynamic trees are deterministic
-
-    @torch.inference_mode()
-    def propose(self, state) -> Draft:
-        tick = time.perf_counter()
-        draft = self._propose(state)
-        self._draft_seconds = time.perf_counter() - tick
-        return draft
 
     def begin(self, state) -> None:
         self.memory = None if self.heads.copy is None else self.heads.context_memory()
@@ -261,7 +260,8 @@ class MedusaProposer(Proposer):
             )
         self.memory.extend(hidden, state.tokens[start:committed], state.tokens[start + 1 : committed + 1])
 
-    def _propose(self, state) -> Draft:
+    @torch.inference_mode()
+    def propose(self, state) -> Draft:
         sampling = state.sampling
         if self.heads.copy is not None:
             if self.memory is None:  # the first request, begin() not called
@@ -276,18 +276,14 @@ class MedusaProposer(Proposer):
                 return torch.stack([outputs.logits[node] for node in frontier])  # (f, n)
 
             draft = self.dynamic.build(root, expand, "Medusa heads")
-            self._last_tree = Draft(outputs.token_ids(draft.tokens), draft.parents)
-            return self._last_tree
+            return Draft(outputs.token_ids(draft.tokens), draft.parents, values=draft.values)
         if self.tree is not None:
-            draft = self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
-            self._last_tree = draft
-            return draft
+            return self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
         length = self.num_heads
         if self.policy is not None:  # the cut depends on q only: sampling stays lossless
             first = torch.softmax(root.float(), -1) if sampling.greedy else processed_probs(root, sampling)
             key = confidence_bucket(float(first.max()))
             length = self.policy.choose(key, self.num_heads)
-            self._last = (key, length)
             if length == 0:
                 return Draft.empty()
         chain = list(range(length))
@@ -329,20 +325,9 @@ class MedusaProposer(Proposer):
             self._trees[budget] = build_tree(self._choices[:budget], self.num_heads)
         return self._trees[budget]
 
-    def observe(self, state, acceptance) -> None:
-        if self._last_tree is not None and self.dynamic is not None:
-            self.dynamic.record(
-                self._last_tree, follow_tokens(self._last_tree, acceptance.tokens), self._draft_seconds
-            )
-            self._last_tree = None
-        if self._last_tree is not None and self.tuner is not None:
-            self.profile.record(self._last_tree, follow_tokens(self._last_tree, acceptance.tokens))
-            self.tuner.observe_draft_seconds(self._draft_seconds)  # re-chooses the budget every few rounds
-            self._last_tree = None
-        if self._last is not None and self.policy is not None:
-            key, length = self._last
-            self.policy.record(key, length, acceptance.num_accepted)
-            self._last = None
+    def observe(self, state, round: Round) -> None:
+        if self.sizer is not None:
+            self.sizer.observe(round)
 
     def describe(self) -> dict:
         if self.dynamic is not None:
@@ -360,7 +345,7 @@ class MedusaProposer(Proposer):
             "copy_heads": self.heads.copy is not None,
             "tree_nodes": None if self.tree is None else len(self._budget_tree()[0]),
             "tree_budget_auto": self.tuner is not None,
-            "acceptance_by_depth_rank": self.profile.as_dict() if self.tuner is not None else None,
+            "acceptance_by_depth_rank": self.tuner.as_dict() if self.tuner is not None else None,
             "draft_vocab_size": None if self.heads.draft_vocab is None else len(self.heads.draft_vocab),
             "trainable_parameters": self.meta.get("trainable_parameters"),
             "heads_top1_heldout": self.meta.get("metrics", {}).get("top1"),
