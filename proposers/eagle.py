@@ -29,7 +29,7 @@ root distribution of the next draft.
 Shapes: a chain of ``k`` tokens (sampled from the draft's processed distribution
 when sampling, which rejection sampling needs as draft_probs; cut to the length
 that pays with ``adaptive``), or an EAGLE-2 dynamic tree (``tree: true``,
-decoders/dynamic_tree.py: confidence-ranked growth, reranking and each round's
+decoders/sizing/dynamic_tree.py: confidence-ranked growth, reranking and each round's
 size from T(n) and measured acceptance), deterministic at every temperature (the
 tree verifier's point-mass rule).
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +53,14 @@ import torch
 from torch import nn
 
 from decoders.engine.context import artifact_source
-from decoders.engine.draft import Draft, follow_tokens
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
 from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
 from decoders.models.session import ModelSession
-from decoders.sizing.draft_length import DraftLengthPolicy, confidence_bucket
+from decoders.sizing.acceptance import confidence_bucket
+from decoders.sizing.draft_length import DraftLengthPolicy
 from decoders.sizing.dynamic_tree import DynamicTree
 from proposers.draft_model import DraftVocabulary
 
@@ -286,13 +286,13 @@ class EagleProposer(Proposer):
         # Artifact directory; null = <artifacts_dir>/<target>/eagle.
         path: str | None = None
         k: int = 4  # chain: most tokens per draft; tree: its depth
-        tree: bool = False  # EAGLE-2 dynamic tree (decoders/dynamic_tree.py) instead of a chain
+        tree: bool = False  # EAGLE-2 dynamic tree (decoders/sizing/dynamic_tree.py) instead of a chain
         tree_width: int = 4  # trees: children per expanded node, nodes expanded per level
         # trees: nodes kept, an int, "auto" (each round's best size from T(n) and the
         # acceptance measured per depth and confidence) or null (all candidates)
         tree_budget: Any = "auto"
         # chains: cut each draft to the length that pays, from acceptance measured per
-        # first-token confidence and the target's T(n) (decoders/draft_length.py)
+        # first-token confidence and the target's T(n) (decoders/sizing/draft_length.py)
         adaptive: bool = True
 
     @property
@@ -330,27 +330,17 @@ class EagleProposer(Proposer):
             DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive and not config.tree else None
         )
         self._fed = 0  # committed positions in the draft's cache (fed with the target's features)
-        self._last: tuple[int, int] | None = None  # chains: (policy key, length) of the round
-        self._last_tree: Draft | None = None
-        self._draft_seconds = 0.0
 
     def begin(self, state) -> None:
         self.session.reset()
         self._fed = 0
-        self._last = None
-        self._last_tree = None
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
-        tick = time.perf_counter()
         root_logits, root_state = self._sync(state)
         if self.dynamic is not None:
-            draft = self._draft_tree(root_logits, root_state)
-            self._last_tree = draft
-        else:
-            draft = self._draft_chain(root_logits, root_state, state)
-        self._draft_seconds = time.perf_counter() - tick
-        return draft
+            return self._draft_tree(root_logits, root_state)
+        return self._draft_chain(root_logits, root_state, state)
 
     def _sync(self, state) -> tuple[torch.Tensor, torch.Tensor]:
         """Drop last round's drafted entries, feed the positions the target committed
@@ -389,7 +379,6 @@ class EagleProposer(Proposer):
         if self.policy is not None:  # the cut depends on q only: sampling stays lossless
             key = confidence_bucket(float(torch.softmax(logits.float(), -1).max()))
             length = self.policy.choose(key, self.config.k)
-            self._last = (key, length)
             if length == 0:
                 return Draft.empty()
         tokens: list[int] = []
@@ -425,21 +414,16 @@ class EagleProposer(Proposer):
             return logits
 
         draft = self.dynamic.build(root_logits, expand, "EAGLE drafter")
-        return Draft(self._ids(draft.tokens), draft.parents)
+        return Draft(self._ids(draft.tokens), draft.parents, values=draft.values)
 
     def _ids(self, rows: list[int]) -> list[int]:
         """Rows of the draft vocabulary -> token ids."""
         return self.token_ids[torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)].tolist()
 
-    def observe(self, state, acceptance) -> None:
-        if self._last_tree is not None:
-            path = follow_tokens(self._last_tree, acceptance.tokens)
-            self.dynamic.record(self._last_tree, path, self._draft_seconds)
-            self._last_tree = None
-        if self._last is not None:
-            key, length = self._last
-            self.policy.record(key, length, acceptance.num_accepted)
-            self._last = None
+    def observe(self, state, round: Round) -> None:
+        sizer = self.dynamic if self.dynamic is not None else self.policy
+        if sizer is not None:
+            sizer.observe(round)
 
     def describe(self) -> dict:
         facts = {
