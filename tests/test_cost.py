@@ -30,6 +30,7 @@ class FakeClock:
 @pytest.fixture
 def measuring(monkeypatch):
     monkeypatch.delenv(COST_CURVE_ENV, raising=False)  # measure, as a user's run does
+    monkeypatch.setattr(cost, "_UNCACHED", {})
 
     def use(clock: FakeClock) -> None:
         monkeypatch.setattr(cost, "clock", clock)
@@ -52,3 +53,5 @@ def test_a_sweep_under_load_is_used_but_not_cached(tiny_model, tmp_path, measuri
     assert curve.disturbance > cost.DISTURBED and set(curve.seconds.values()) == {1.0}
     assert not list(tmp_path.glob("tiny-*.json"))
     assert "not cached" in capsys.readouterr().err
+    measuring(FakeClock())  # a quiet machine now, but this process keeps what it measured
+    assert cached_cost_curve(model, "tiny", tmp_path) is curve

@@ -129,12 +129,15 @@ def read_cost_curve(path: str | Path) -> CostCurve:
         ) from error
 
 
+_UNCACHED: dict[Path, CostCurve] = {}  # this process's disturbed measurements, by cache path
+
+
 def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> CostCurve:
     """The cost curve of ``model`` (named ``key``): ``SPECDEC_COST_CURVE``'s file if
     set, else the cached measurement, measured on first use (exact mode,
     ``model.exact``, has its own). A measurement disturbed by other work on the
-    machine is retried once and, if still disturbed, used but never cached, so one
-    busy moment does not steer every later run."""
+    machine is retried once and, if still disturbed, used for the rest of the process
+    but never written, so one busy moment does not steer every later run."""
     if os.environ.get(COST_CURVE_ENV):
         return read_cost_curve(os.environ[COST_CURVE_ENV])
     parameter = next(model.parameters())
@@ -144,6 +147,8 @@ def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> Cost
     path = cache_dir / f"{key}-{device}-{dtype}{mode}.json"
     if path.exists():
         return read_cost_curve(path)
+    if path in _UNCACHED:  # measured under load earlier in this process: not measured again
+        return _UNCACHED[path]
     curve = measure_cost_curve(model)
     if curve.disturbance > DISTURBED:
         curve = min(curve, measure_cost_curve(model), key=lambda c: c.disturbance)
@@ -153,6 +158,7 @@ def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> Cost
             "used for this run, not cached; measure again when the machine is quiet",
             file=sys.stderr,
         )
+        _UNCACHED[path] = curve
         return curve
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
