@@ -52,6 +52,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer, draft_token
 from decoders.engine.registry import register_proposer
@@ -101,6 +102,8 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
         self.tree = DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
         draft_dir = self._draft_dir()
+        # which draft ran: the user's, the shipped one, a hub/path draft (None: the seeded tiny draft)
+        self.artifact = artifact_source(draft_dir) if draft_dir is not None else None
         self.model = self._load_draft(draft_dir)
         self.session = ModelSession(self.model)
         self.vocabulary: DraftVocabulary | None = None
@@ -230,7 +233,10 @@ class DraftModelProposer(Proposer):
         return rows if self.vocabulary is None else self.vocabulary.token_ids[rows].tolist()
 
     def describe(self) -> dict:
-        facts: dict = {"draft_parameters": sum(p.numel() for p in self.model.parameters())}
+        facts: dict = {
+            "artifact": self.artifact,
+            "draft_parameters": sum(p.numel() for p in self.model.parameters()),
+        }
         if self.vocabulary is not None:
             facts["draft_vocab_size"] = len(self.vocabulary.token_ids)
         if self.config.tree:

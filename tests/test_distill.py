@@ -299,3 +299,9 @@ def test_draft_cache_never_reruns_committed_tokens(
         for position in range(start, min(len(context), len(committed))):
             runs[position] += context[: position + 1] == committed[: position + 1]
     assert runs[: len(committed) - 1] == [1] * (len(committed) - 1)
+
+
+def test_describe_says_which_draft_ran(distilled, tiny_model, tiny_config):
+    pipeline = pipeline_over(tiny_model, tiny_config, distilled).with_components("draft_model", "greedy")
+    artifact = pipeline.proposer.describe()["artifact"]
+    assert artifact["shipped"] is False and artifact["path"].endswith("draft_model")
