@@ -21,8 +21,10 @@ def pipeline_or_skip(base, proposer, verifier):
 
 @pytest.mark.parametrize("verifier", lossless_verifiers())
 @pytest.mark.parametrize("proposer", proposer_registry.names())
-def test_greedy_output_equals_standard(trained_pipeline, proposer, verifier):
-    tiny_pipeline = trained_pipeline  # heads trained for the tiny model: no proposer is skipped
+def test_greedy_output_equals_standard(drafting_pays, trained_pipeline, proposer, verifier):
+    tiny_pipeline = (
+        trained_pipeline  # heads trained for the tiny model: no proposer is skipped; flat T(n): they draft
+    )
     pipeline = pipeline_or_skip(tiny_pipeline, proposer, verifier)
     total_accepted = 0
     for k in (1, 4):
