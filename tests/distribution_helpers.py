@@ -41,3 +41,18 @@ def assert_first_two_tokens_follow_the_target(
     predicted = [expected[c] * total for c in cells]
     scale = total / sum(predicted)
     assert chisquare(observed, [p * scale for p in predicted]).pvalue > 1e-3
+
+
+def assert_greedy_identical(
+    base: Pipeline, pipeline: Pipeline, prompts: list, lengths: tuple[int, ...], what: str
+) -> None:
+    """Each prompt, at each ``max_new_tokens``, decodes to standard greedy decoding's tokens,
+    and some draft token was accepted (else the check exercised nothing)."""
+    accepted = 0
+    for prompt in prompts:
+        for max_new in lengths:
+            expected = base.generate(prompt, max_new).tokens
+            result = pipeline.generate(prompt, max_new)
+            assert result.tokens == expected, (prompt, max_new)
+            accepted += result.stats.accepted
+    assert accepted > 0, f"no {what} token was ever accepted: the test exercised nothing"
