@@ -15,7 +15,7 @@ draft vocabulary, turns that into token t + 2::
 
 ``feature_layers`` name the target's hidden states as transformers' ``hidden_states``
 does: index i (1 <= i < L) is decoder layer i-1's output, L (or -1) the final,
-normed state the LM head reads (``state.target.hidden``). The default is EAGLE-3's
+normed state the LM head reads (``state.hidden``). The default is EAGLE-3's
 low, middle and high features ``[2, L // 2, L]``; ``[-1]`` is EAGLE-1's last layer
 alone. Intermediate layers' outputs come from the verification pass itself, through
 forward hooks (:class:`LayerTap`): no extra target pass.
@@ -346,10 +346,9 @@ class EagleProposer(Proposer):
         """Drop last round's drafted entries, feed the positions the target committed
         since (their features and the tokens after them); -> the root logits (n,) and
         the draft's state (hidden,) at the last committed position."""
-        target = state.target
         committed = len(state.tokens) - 1  # positions before the pending token
         rows = state.committed_rows
-        count = len(target.hidden) if rows is None else len(rows)
+        count = len(state.hidden) if rows is None else len(rows)
         start = committed - count
         if start != self._fed:
             raise RuntimeError(
@@ -358,7 +357,7 @@ class EagleProposer(Proposer):
             )
         self.session.truncate(self._fed)
         features = target_features(
-            self.layers, self.num_target_layers, target.hidden, self.tap, rows
+            self.layers, self.num_target_layers, state.hidden, self.tap, rows
         )  # (c, F)
         following = state.tokens[start + 1 : committed + 1]
         inputs = self.drafter.inputs(

@@ -209,6 +209,10 @@ class EarlyExitProposer(Proposer):
     def sampled(self) -> bool:
         return True  # chains are drawn from the exit's processed distribution
 
+    @property
+    def drafts_in_target(self) -> bool:
+        return True  # the shallow layers run in the target's session; verify_forward reuses them
+
     def _load_exit(self) -> ExitHead:
         target = self.context.target
         if not (self.config.trained or self.config.adapter_path):
@@ -235,13 +239,13 @@ class EarlyExitProposer(Proposer):
 
     def begin(self, state) -> None:
         modules = self.exit_head.layer_modules(self.context.target)
-        self.layered = LayeredDecoder(state.target, modules)
+        self.layered = LayeredDecoder(state.session, modules)
         self._round = None
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
-        layered = self._layered(state.target)
-        session = state.target
+        session = state.session
+        layered = self._layered(session)
         block_start = len(session)
         inputs = [state.tokens[-1]]  # tokens fed to the shallow layers: pending, d1 .. d(k-1)
         exit_rows: list[torch.Tensor] = []

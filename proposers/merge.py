@@ -81,7 +81,7 @@ class MergeProposer(Proposer):
         # A member that drafts with the target's own layers (early exit) leaves their KV
         # entries in the target's cache, so it alone may run the verification pass: it
         # reuses them for its own chain and drops them before any other pass.
-        reusing = [m for m in self.members if type(m).verify_forward is not Proposer.verify_forward]
+        reusing = [m for m in self.members if m.drafts_in_target]
         if len(reusing) > 1:
             raise ValueError(
                 f"proposer=merge can hold at most one member that drafts with the target's own layers; "
@@ -100,6 +100,10 @@ class MergeProposer(Proposer):
     @property
     def sampled(self) -> bool:
         return any(member.sampled for member in self.members)  # a member's sampled drafts stay sampled
+
+    @property
+    def drafts_in_target(self) -> bool:
+        return self._pass_owner is not None
 
     def begin(self, state) -> None:
         for member in self.members:

@@ -88,7 +88,7 @@ def test_drafts_follow_the_training_time_test_forward(base):
     session = ModelSession(base.model)
     pending = int(session.forward(prompt)[-1].argmax())
     state = DecodeState(
-        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session
+        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session.hidden
     )
     proposer.begin(state)
     draft = proposer.propose(state)
@@ -154,7 +154,7 @@ def test_sampled_chains_carry_the_drafters_distribution(base):
     prompt = random_prompts(1, seed=3)[0]
     session = ModelSession(base.model)
     pending = int(session.forward(prompt)[-1].argmax())
-    state = DecodeState(prompt + [pending], len(prompt), sampling, sampling.generator(), session)
+    state = DecodeState(prompt + [pending], len(prompt), sampling, sampling.generator(), session.hidden)
     proposer.begin(state)
     draft = proposer.propose(state)
     assert draft.draft_probs.shape == (4, base.model.config.vocab_size)
@@ -215,7 +215,7 @@ def test_dynamic_tree_nodes_are_their_parents_top_children(base):
     session = ModelSession(base.model)
     pending = int(session.forward(prompt)[-1].argmax())
     state = DecodeState(
-        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session
+        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session.hidden
     )
     proposer.begin(state)
     draft = proposer.propose(state)

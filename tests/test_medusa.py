@@ -49,7 +49,7 @@ def decode_state(pipeline: Pipeline, prompt: list[int], sampling: SamplingConfig
     """The state a proposer sees right after the prefill of ``prompt``."""
     session = ModelSession(pipeline.model)
     first = int(session.forward(prompt)[-1].argmax())
-    return DecodeState(prompt + [first], len(prompt), sampling, sampling.generator(), session)
+    return DecodeState(prompt + [first], len(prompt), sampling, sampling.generator(), session.hidden)
 
 
 def reference_logits(heads, state: DecodeState, path: list[int]) -> torch.Tensor:
@@ -65,7 +65,7 @@ def reference_logits(heads, state: DecodeState, path: list[int]) -> torch.Tensor
             full[heads.draft_vocab] = rows
             return full
         sequence = torch.tensor(state.tokens)  # prompt + pending
-        context = entries_of(heads, state.target.hidden, state.tokens)  # the prefill's rows: the prompt
+        context = entries_of(heads, state.hidden, state.tokens)  # the prefill's rows: the prompt
         logits, weights, gates = heads(state.last_hidden[None], tokens[None], (*context, None))
         probs = mixture(
             torch.softmax(logits[0, k][None], -1), weights[0, k][None], gates[0, k].view(1, 1),

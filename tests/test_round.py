@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
@@ -105,3 +106,42 @@ def test_nodes_past_the_token_budget_are_not_verified(tiny_pipeline):
     verified = [(round.verified, round.path) for round in proposer.rounds]
     assert verified[:3] == [([0, 1, 2, 3], [0, 3])] * 3  # 1 + 3 * 3 tokens
     assert verified[3] == ([0, 1], [])  # depth 0 only: nodes 2 and 3 were never tried
+
+
+class Peeking(Proposer):
+    """Records what the engine hands it each round; drafts nothing."""
+
+    name = "peeking"
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, in_target: bool) -> None:
+        super().__init__(self.Config(), None)
+        self.in_target = in_target
+        self.seen: list[tuple] = []
+
+    @property
+    def drafts_in_target(self) -> bool:
+        return self.in_target
+
+    def propose(self, state) -> Draft:
+        self.seen.append((state.session, state.last_hidden.clone(), len(state.committed_hidden)))
+        return Draft.empty()
+
+
+@pytest.mark.parametrize("in_target", [False, True])
+def test_a_proposer_gets_the_session_only_if_it_drafts_in_the_target(tiny_pipeline, in_target):
+    """Hidden states of the last pass reach every proposer; the target's session only
+    one that declares drafts_in_target (the others have no way to disturb its cache)."""
+    prompt = random_prompts(1, seed=2)[0]
+    proposer = Peeking(in_target)
+    tiny_pipeline.with_components(proposer, "greedy").generate(prompt, 4)
+    sessions = {id(session) for session, _, _ in proposer.seen}
+    assert len(proposer.seen) == 3
+    assert (None not in [s for s, _, _ in proposer.seen]) == in_target and len(sessions) == 1
+    assert [count for _, _, count in proposer.seen] == [len(prompt), 1, 1]  # prefill, then one per round
+    first, second = proposer.seen[0][1], proposer.seen[1][1]
+    assert first.shape == (tiny_pipeline.context.target.config.hidden_size,)
+    assert not torch.equal(first, second)  # the state moved on with the request

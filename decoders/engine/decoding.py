@@ -160,7 +160,9 @@ def decode(
     output, done = stop.cut([], [first])
     if on_tokens:
         on_tokens(output)
-    state = DecodeState(list(prompt_ids) + output, len(prompt_ids), sampling, generator, target)
+    state = DecodeState(list(prompt_ids) + output, len(prompt_ids), sampling, generator, target.hidden)
+    if proposer is not None and proposer.drafts_in_target:
+        state.session = target
     if proposer is not None:
         proposer.begin(state)
 
@@ -183,6 +185,7 @@ def decode(
         acceptance: Acceptance = verifier.verify(draft, target_logits, sampling, generator)
         state.committed_rows = [0] + [node + 1 for node in acceptance.path]
         target.keep(block_start, state.committed_rows)
+        state.hidden = target.hidden
         state.hidden_row = state.committed_rows[-1]
         verified = time.perf_counter()
 

@@ -13,8 +13,12 @@ config), then serves one request at a time:
                       private state (its time counts as drafting time)
     finish(state)     the request is done (its tokens are final)
 
-``state`` is the :class:`~decoders.engine.state.DecodeState` of the request. A
-proposer decides its draft's shape from its own config, never from the verifier.
+``state`` is the :class:`~decoders.engine.state.DecodeState` of the request: its
+tokens and the target's final hidden states of the last pass. A proposer that
+needs the target's intermediate layers taps them at construction (EAGLE's
+``LayerTap``); one that drafts with the target's own layers says so
+(``drafts_in_target``) and is given the session. A proposer decides its draft's
+shape from its own config, never from the verifier.
 """
 
 from __future__ import annotations
@@ -50,6 +54,14 @@ class Proposer:
         it returns when sampling; False if it chooses them deterministically
         (draft_probs None). A property of the instance: the same class can do either
         (a draft model's chains sample, its trees do not)."""
+        return False
+
+    @property
+    def drafts_in_target(self) -> bool:
+        """True if drafting runs the target's own layers in the request's session and
+        leaves KV entries there (early exit): the engine then hands it the session
+        (``state.session``), and its :meth:`verify_forward` must leave the session
+        as an ordinary pass would. False for every proposer with a model of its own."""
         return False
 
     def begin(self, state: DecodeState) -> None:
