@@ -14,7 +14,8 @@ from decoders.engine.registry import verifier_registry
 from decoders.engine.sampling import SamplingConfig
 from decoders.engine.state import DecodeState
 from decoders.models.session import ModelSession
-from proposers.eagle import CONFIG_FILE, LayerTap, load_artifact, resolve_layers, target_features
+from proposers.eagle.artifact import CONFIG_FILE, load_artifact
+from proposers.eagle.drafter import LayerTap, resolve_layers, target_features
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
 from tests.test_train import compose_train
@@ -187,7 +188,7 @@ def test_training_round_trip(artifacts, tiny_model):
 def test_untrained_drafter_passes_the_last_feature_through(tiny_model):
     """fuse and combine start as the identity on the highest feature."""
     from proposers.draft_model import DraftVocabulary
-    from proposers.eagle import EagleDrafter
+    from proposers.eagle.drafter import EagleDrafter
 
     model, _ = tiny_model
     vocabulary = DraftVocabulary(torch.arange(model.config.vocab_size), model.config.vocab_size)

@@ -87,7 +87,9 @@ def drafted_round(proposer: EarlyExitProposer, model, prompt: list[int]):
     session = ModelSession(model)
     sampling = SamplingConfig()
     first = int(session.forward(prompt)[-1].argmax())
-    state = DecodeState(prompt + [first], len(prompt), sampling, sampling.generator(), session.hidden, session=session)
+    state = DecodeState(
+        prompt + [first], len(prompt), sampling, sampling.generator(), session.hidden, session=session
+    )
     proposer.begin(state)
     draft = proposer.propose(state)
     return session, [first] + draft.tokens

@@ -4,7 +4,7 @@ The target stays frozen. The draft layer starts as a copy of target layer
 ``init_layer`` and is adapted with PEFT LoRA; the fusion (``fuse``, ``combine``)
 and the norms are trained in full (PEFT ``modules_to_save``). Features: one target
 pass over each cached sequence (prompt + response) gives the chosen layers'
-outputs at every position (:class:`proposers.eagle.LayerTap`), cached next to the
+outputs at every position (:class:`proposers.eagle.drafter.LayerTap`), cached next to the
 self-distillation data, so no epoch reruns the target.
 
 Training-time test (EAGLE-3): step 0 reads the target's features at every
@@ -41,17 +41,8 @@ from transformers import DynamicCache
 
 from decoders.models.session import ModelSession
 from proposers.draft_model import DraftVocabulary, save_draft_vocab
-from proposers.eagle import (
-    CONFIG_FILE,
-    FULL_MODULES,
-    LORA_TARGETS,
-    EagleDrafter,
-    LayerTap,
-    load_artifact,
-    resolve_layers,
-    save_artifact,
-    target_features,
-)
+from proposers.eagle.artifact import CONFIG_FILE, FULL_MODULES, LORA_TARGETS, load_artifact, save_artifact
+from proposers.eagle.drafter import EagleDrafter, LayerTap, resolve_layers, target_features
 from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob

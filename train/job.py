@@ -20,14 +20,14 @@ import importlib
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 
-from decoders.cli.config import model_config, to_dataclass
+from decoders.cli.config import model_config, store_schema, to_dataclass
 from decoders.engine.pipeline import Pipeline
 from decoders.engine.registry import store_named_config
 from decoders.models.loading import ModelConfig, load_model
@@ -62,6 +62,33 @@ def store_drafter_configs() -> None:
 
 
 @dataclass
+class EvalConfig:
+    """``train.eval``: measure the drafter after training on prompts it never saw."""
+
+    path: str | None = None  # Spec-Bench-format JSONL; null = no such measurement
+    limit: int | None = None  # first N prompts of each category
+    only: bool = False  # true: measure the existing artifact, don't train
+
+
+@dataclass
+class TrainConfig(ScaleConfig):
+    """``train.*``: where the run writes, whether it resumes, how it executes
+    (:class:`ScaleConfig`'s fields), what it trains on (``train.data``, from
+    ``train_data=NAME``) and what it measures afterwards."""
+
+    output: str | None = None  # artifact directory; null = ${artifacts_dir}/<target>/<drafter>
+    data_dir: str | None = (
+        None  # generation cache shared by all drafters; null = ${artifacts_dir}/<target>/data
+    )
+    resume: bool = True  # continue an interrupted run from its checkpoint
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+store_schema("train_options", "base", TrainConfig, package="train")
+
+
+@dataclass
 class TrainJob:
     cfg: DictConfig
     pipeline: Pipeline
@@ -78,33 +105,39 @@ class TrainJob:
         return to_dataclass(config_cls, options, "drafter")
 
     @property
+    def options(self) -> TrainConfig:
+        """The ``train`` section as :class:`TrainConfig` (unknown keys are errors)."""
+        node = OmegaConf.to_container(self.cfg.train, resolve=True)
+        evaluation = to_dataclass(EvalConfig, node.pop("eval", None) or {}, "train.eval")  # type: ignore[union-attr]
+        data = to_dataclass(DataConfig, node.pop("data", None) or {}, "train.data")  # type: ignore[union-attr]
+        return to_dataclass(TrainConfig, {**node, "eval": evaluation, "data": data}, "train")  # type: ignore[arg-type]
+
+    @property
     def data_config(self) -> DataConfig:
-        return to_dataclass(DataConfig, self.cfg.train.data, "train.data")
+        return self.options.data
 
     @property
     def output_dir(self) -> Path:
         """Where the artifact goes: ``<artifacts_dir>/<target>/<drafter>`` unless train.output is set."""
-        output = self.cfg.train.get("output")
+        output = self.options.output
         return Path(output) if output else self.pipeline.context.own_artifact_path(self.drafter)
 
     @property
     def data_root(self) -> Path:
         """The generation cache, shared by all drafters of this target."""
-        data_dir = self.cfg.train.get("data_dir")
+        data_dir = self.options.data_dir
         context = self.pipeline.context
         return Path(data_dir) if data_dir else context.artifacts_dir / context.target_key / "data"
 
     @property
     def resume(self) -> bool:
-        return bool(self.cfg.train.get("resume", True))
+        return self.options.resume
 
     @property
     def scale(self) -> ScaleConfig:
         """How the run executes: gradient accumulation and mixed precision (``train.*``)."""
-        return ScaleConfig(
-            accumulation_steps=int(self.cfg.train.get("accumulation_steps", 1)),
-            mixed_precision=str(self.cfg.train.get("mixed_precision", "auto")),
-        )
+        options = self.options
+        return ScaleConfig(options.accumulation_steps, options.mixed_precision)
 
     @property
     def is_main_process(self) -> bool:
@@ -114,7 +147,7 @@ class TrainJob:
     @property
     def eval_only(self) -> bool:
         """Measure the existing artifact (``train.eval.only=true``) instead of training."""
-        return bool((self.cfg.train.get("eval") or {}).get("only", False))
+        return self.options.eval.only
 
     def sequences(self) -> list[Sequence]:
         """The self-distilled training data (generated on first use, then cached). The
@@ -131,11 +164,11 @@ class TrainJob:
 
     def eval_sequences(self) -> list[Sequence]:
         """Responses to ``train.eval.path`` (e.g. Spec-Bench), measured but never trained on."""
-        evaluation = self.cfg.train.get("eval") or {}
-        if not evaluation.get("path"):
+        evaluation = self.options.eval
+        if not evaluation.path:
             return []
         return eval_sequences(
-            self.pipeline, self.data_config, self.data_root, evaluation["path"], evaluation.get("limit")
+            self.pipeline, self.data_config, self.data_root, evaluation.path, evaluation.limit
         )
 
 

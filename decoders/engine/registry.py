@@ -197,7 +197,7 @@ def import_plugins_from_argv(argv: list[str] | None = None) -> None:
 
 BUILTIN_PROPOSERS = {
     "draft_model": "proposers.draft_model:DraftModelProposer",
-    "eagle": "proposers.eagle:EagleProposer",
+    "eagle": "proposers.eagle.proposer:EagleProposer",
     "early_exit": "proposers.early_exit:EarlyExitProposer",
     "medusa": "proposers.medusa.proposer:MedusaProposer",
     "merge": "proposers.merge:MergeProposer",

@@ -1,0 +1,179 @@
+"""The EAGLE drafter module and the target features it reads.
+
+:class:`EagleDrafter` fuses the target's features with the next token's embedding
+and runs one decoder layer over them; :class:`LayerTap` collects the target's
+intermediate layers' outputs from its own passes (forward hooks, no extra pass);
+:func:`target_features` assembles them per committed position. See
+:mod:`proposers.eagle` for the scheme.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from proposers.draft_model import DraftVocabulary
+
+
+def resolve_layers(feature_layers: list[int] | None, num_layers: int) -> list[int]:
+    """Feature layers as hidden-state indices 1..L (see the module docstring), sorted,
+    without repeats; None = EAGLE-3's low, middle and high features."""
+    if feature_layers is None:
+        feature_layers = [2, num_layers // 2, num_layers]
+    resolved = sorted({min(max(i if i > 0 else num_layers + 1 + i, 1), num_layers) for i in feature_layers})
+    if not feature_layers or any(i == 0 or abs(i) > num_layers for i in feature_layers):
+        raise ValueError(
+            f"feature layers {feature_layers} must be hidden-state indices 1..{num_layers} (or -1 for the last)"
+        )
+    return resolved
+
+
+class LayerTap:
+    """The outputs of chosen decoder layers in the target's passes (forward hooks).
+
+    One tap per target model, shared by every proposer on it. The hooks keep a
+    reference to each watched layer's output, filed under the pass's final hidden
+    states (the decoder's output) for the last ``KEPT`` passes used: a session that
+    serves a pass from its cache (the audit's repeated prefills) still gets the
+    features of the pass that made its ``hidden``. Passes cost nothing more. (The
+    entries hold their final hidden states, so no later tensor shares their memory.)"""
+
+    KEPT = 8
+
+    _taps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: nn.Module) -> None:
+        decoder = model.get_decoder()
+        self.layers = decoder.layers
+        self._hooks: dict[int, Any] = {}
+        self._current: dict[int, torch.Tensor] = {}  # this pass so far: layer -> (batch, q, hidden)
+        self._passes: list[
+            tuple[torch.Tensor, dict[int, torch.Tensor]]
+        ] = []  # (final hidden, outputs), newest last
+        decoder.register_forward_hook(self._file_pass)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LayerTap:
+        if model not in cls._taps:
+            cls._taps[model] = cls(model)
+        return cls._taps[model]
+
+    def watch(self, layers: list[int]) -> None:
+        for layer in layers:
+            if layer not in self._hooks:
+                self._hooks[layer] = self.layers[layer].register_forward_hook(self._keeper(layer))
+
+    def _keeper(self, layer: int):
+        def keep(module, inputs, output) -> None:
+            self._current[layer] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+    def _file_pass(self, module, inputs, output) -> None:
+        final = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        self._passes = [*self._passes[-(self.KEPT - 1) :], (final, self._current)]
+        self._current = {}
+
+    def outputs(self, final_hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        """layer -> (q, hidden) outputs of the pass whose final hidden states (its first
+        sequence's, as a session keeps them) are ``final_hidden``."""
+        for i in range(len(self._passes) - 1, -1, -1):
+            final, outputs = self._passes[i]
+            if final.data_ptr() == final_hidden.data_ptr():
+                self._passes.append(self._passes.pop(i))  # most recently used last
+                return {layer: values[0] for layer, values in outputs.items()}
+        raise RuntimeError("the target's latest pass did not run through its decoder: no layer features")
+
+
+class EagleDrafter(nn.Module):
+    """The feature fusion, one decoder layer and the draft vocabulary's LM head.
+
+    Built over a target: the layer starts as a copy of target layer ``init_layer`` and
+    the final norm as the target's; ``fuse`` starts by passing the highest feature
+    through and ``combine`` by passing the feature through, so an untrained drafter
+    is the copied layer applied on the target's last feature. The target's input
+    embeddings are read, not copied; the LM head is the target's rows for the draft
+    vocabulary (frozen)."""
+
+    def __init__(
+        self, target: nn.Module, feature_layers: list[int], init_layer: int, vocabulary: DraftVocabulary
+    ) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        target_decoder = target.get_decoder()
+        num_layers = len(target_decoder.layers)
+        self.feature_layers = resolve_layers(feature_layers, num_layers)
+        self.init_layer = init_layer if init_layer >= 0 else num_layers + init_layer
+        if not 0 <= self.init_layer < num_layers:
+            raise ValueError(f"drafter.init_layer={init_layer}: the target has {num_layers} layers")
+        config = copy.deepcopy(target.config.get_text_config())
+        config.num_hidden_layers = 1
+        config.vocab_size, config.pad_token_id = 1, None  # inputs come as embeddings: no table of its own
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:1]
+        config._attn_implementation = "sdpa"  # 4-D masks (trees, training-time test)
+        weight = target.get_output_embeddings().weight
+        self.decoder = AutoModel.from_config(config).to(weight.device, weight.dtype)
+        layer = self.decoder.layers[0]
+        layer.load_state_dict(target_decoder.layers[self.init_layer].state_dict())
+        layer.self_attn.layer_idx = 0
+        self.decoder.norm.load_state_dict(target_decoder.norm.state_dict())
+        self.config = self.decoder.config
+        hidden = weight.shape[1]
+        width = len(self.feature_layers)
+        self.fuse = nn.Linear(width * hidden, hidden, bias=False).to(weight)
+        self.combine = nn.Linear(2 * hidden, hidden, bias=False).to(weight)
+        with torch.no_grad():
+            eye = torch.eye(hidden, dtype=weight.dtype, device=weight.device)
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, (width - 1) * hidden :] = eye  # the highest feature through
+            self.combine.weight.zero_()
+            self.combine.weight[:, :hidden] = eye  # the feature through, the token's embedding off
+        self.vocabulary = vocabulary
+        self.lm_head = vocabulary.head(target.get_output_embeddings())  # (n, hidden) frozen rows
+        self._embeddings = (target.get_input_embeddings(),)  # the target's, not a submodule
+        self.decoder.requires_grad_(False)
+
+    # ModelSession reads the drafter as a model
+    def get_decoder(self) -> nn.Module:
+        return self.decoder
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(...) token ids -> (..., hidden) the target's input embeddings, in the drafter's dtype."""
+        return self._embeddings[0](tokens.to(self._embeddings[0].weight.device)).to(self.device, self.dtype)
+
+    def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """features (..., hidden) (fused or the draft's own y), tokens (...) the next tokens
+        -> (..., hidden) the decoder layer's inputs x."""
+        return self.combine(torch.cat([features.to(self.dtype), self.embed(tokens)], dim=-1))
+
+
+def target_features(
+    layers: list[int], num_layers: int, final_hidden: torch.Tensor, tap: LayerTap | None, rows=None
+) -> torch.Tensor:
+    """(c, len(layers) * hidden) the target's features of the latest pass at ``rows``
+    (None = all): intermediate layers from ``tap``, index L from ``final_hidden`` (q, hidden)."""
+    parts = []
+    outputs = tap.outputs(final_hidden) if tap is not None and any(i < num_layers for i in layers) else {}
+    for index in layers:
+        values = final_hidden if index == num_layers else outputs[index - 1]
+        if len(values) != len(final_hidden):
+            raise RuntimeError("the layer tap's outputs are not from the target's latest pass")
+        parts.append((values if rows is None else values[rows]).to(final_hidden.device))
+    return torch.cat(parts, dim=-1)

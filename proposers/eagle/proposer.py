@@ -1,0 +1,186 @@
+"""The ``eagle`` proposer: chains and EAGLE-2 dynamic trees from a trained drafter.
+
+Each round first syncs the drafter's KV cache with the positions the target
+committed (fed with the target's features), then drafts from the root it gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoders.engine.context import artifact_source
+from decoders.engine.draft import Draft, Round
+from decoders.engine.proposer import Proposer, draft_token
+from decoders.engine.registry import register_proposer
+from decoders.engine.sampling import check_finite
+from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
+from decoders.models.session import ModelSession
+from decoders.sizing.acceptance import confidence_bucket
+from decoders.sizing.draft_length import DraftLengthPolicy
+from decoders.sizing.dynamic_tree import DynamicTree
+from proposers.eagle.artifact import CONFIG_FILE, load_artifact
+from proposers.eagle.drafter import LayerTap, target_features
+
+
+@register_proposer("eagle")
+class EagleProposer(Proposer):
+    @dataclass
+    class Config:
+        # Artifact directory; null = <artifacts_dir>/<target>/eagle.
+        path: str | None = None
+        k: int = 4  # chain: most tokens per draft; tree: its depth
+        tree: bool = False  # EAGLE-2 dynamic tree (decoders/sizing/dynamic_tree.py) instead of a chain
+        tree_width: int = 4  # trees: children per expanded node, nodes expanded per level
+        # trees: nodes kept, an int, "auto" (each round's best size from T(n) and the
+        # acceptance measured per depth and confidence) or null (all candidates)
+        tree_budget: Any = "auto"
+        # chains: cut each draft to the length that pays, from acceptance measured per
+        # first-token confidence and the target's T(n) (decoders/sizing/draft_length.py)
+        adaptive: bool = True
+
+    @property
+    def sampled(self) -> bool:
+        return not self.config.tree  # chains carry q; trees are deterministic (point masses)
+
+    def __init__(self, config: Config, context) -> None:
+        super().__init__(config, context)
+        if config.k < 1:
+            raise ValueError(f"proposer.k must be >= 1, got {config.k}")
+        directory = Path(config.path) if config.path else context.artifact_path("eagle")
+        if not (directory / CONFIG_FILE).exists():
+            raise FileNotFoundError(
+                f"no EAGLE drafter for target {context.target_key!r} at {directory}. Train it with "
+                f"`{context.train_command('eagle', config.path)}`."
+            )
+        artifact = load_artifact(directory, context.target)
+        self.drafter = artifact.drafter
+        if routes_narrow_linears(context.target):  # drafting passes are narrow passes too
+            route_narrow_linears(self.drafter)
+        self.meta = artifact.meta
+        self.artifact = artifact_source(directory)
+        self.num_target_layers = len(context.target.get_decoder().layers)
+        self.layers = self.drafter.feature_layers
+        self.tap = LayerTap.of(context.target)
+        self.tap.watch([i - 1 for i in self.layers if i < self.num_target_layers])
+        self.session = ModelSession(self.drafter)
+        self.token_ids = self.drafter.vocabulary.token_ids.to(self.drafter.device)  # (n,) row -> token id
+        self.dynamic = (
+            DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
+            if config.tree
+            else None
+        )
+        self.policy = (
+            DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive and not config.tree else None
+        )
+        self._fed = 0  # committed positions in the draft's cache (fed with the target's features)
+
+    def begin(self, state) -> None:
+        self.session.reset()
+        self._fed = 0
+
+    @torch.inference_mode()
+    def propose(self, state) -> Draft:
+        root_logits, root_state = self._sync(state)
+        if self.dynamic is not None:
+            return self._draft_tree(root_logits, root_state)
+        return self._draft_chain(root_logits, root_state, state)
+
+    def _sync(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop last round's drafted entries, feed the positions the target committed
+        since (their features and the tokens after them); -> the root logits (n,) and
+        the draft's state (hidden,) at the last committed position."""
+        committed = len(state.tokens) - 1  # positions before the pending token
+        rows = state.committed_rows
+        count = len(state.hidden) if rows is None else len(rows)
+        start = committed - count
+        if start != self._fed:
+            raise RuntimeError(
+                f"the EAGLE draft cache holds {self._fed} positions and the last pass committed {count}, but "
+                f"the request has {committed}: call begin() at each request and propose() every round"
+            )
+        self.session.truncate(self._fed)
+        features = target_features(
+            self.layers, self.num_target_layers, state.hidden, self.tap, rows
+        )  # (c, F)
+        following = state.tokens[start + 1 : committed + 1]
+        inputs = self.drafter.inputs(
+            self.drafter.fuse(features.to(self.drafter.dtype)),
+            torch.tensor(following, device=self.drafter.device),
+        )  # (c, hidden)
+        logits = self.session.forward(following, inputs_embeds=inputs, last_only=True)[-1]  # (n,)
+        self._fed = committed
+        return logits, self.session.hidden[-1]
+
+    def _step(self, states: torch.Tensor, tokens: list[int], parents=None, tree_start=None) -> torch.Tensor:
+        """Feed drafted ``tokens`` after their parents' states (f, hidden) -> (f, n) logits."""
+        inputs = self.drafter.inputs(states, torch.tensor(tokens, device=self.drafter.device))
+        return self.session.forward(tokens, parents, tree_start=tree_start, inputs_embeds=inputs)
+
+    def _draft_chain(self, logits: torch.Tensor, previous: torch.Tensor, state) -> Draft:
+        length = self.config.k
+        if self.policy is not None:  # the cut depends on q only: sampling stays lossless
+            key = confidence_bucket(float(torch.softmax(logits.float(), -1).max()))
+            length = self.policy.choose(key, self.config.k)
+            if length == 0:
+                return Draft.empty()
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(length):
+            check_finite(logits, "EAGLE drafter")
+            index, probs, _ = draft_token(logits, state, False)
+            tokens.append(int(self.token_ids[index]))
+            if probs is not None:
+                rows.append(self.drafter.vocabulary.full_row(probs))
+            if i + 1 < length:
+                logits = self._step(previous[None], tokens[-1:])[-1]
+                previous = self.session.hidden[-1]
+        return Draft.chain(tokens, torch.stack(rows) if rows else None)
+
+    def _draft_tree(self, root_logits: torch.Tensor, root_state: torch.Tensor) -> Draft:
+        """A dynamic tree: each level's frontier is fed as one more level of a tree in
+        the draft's cache, after its parents' states."""
+        tree_start = len(self.session)
+        offset_of: dict[int, int] = {-1: -1}  # candidate node -> offset of its fed entry
+        state_of: dict[int, torch.Tensor] = {-1: root_state}  # node -> the draft's state there
+        fed_parents: list[int] = []
+
+        def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
+            for node in frontier:
+                offset_of[node] = len(fed_parents)
+                fed_parents.append(offset_of[parents[node]])
+            states = torch.stack([state_of[parents[node]] for node in frontier])  # (f, hidden)
+            tokens = self._ids([rows[node] for node in frontier])
+            logits = self._step(states, tokens, fed_parents, tree_start)  # (f, n)
+            for i, node in enumerate(frontier):
+                state_of[node] = self.session.hidden[i]
+            return logits
+
+        draft = self.dynamic.build(root_logits, expand, "EAGLE drafter")
+        return Draft(self._ids(draft.tokens), draft.parents, values=draft.values)
+
+    def _ids(self, rows: list[int]) -> list[int]:
+        """Rows of the draft vocabulary -> token ids."""
+        return self.token_ids[torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)].tolist()
+
+    def observe(self, state, round: Round) -> None:
+        sizer = self.dynamic if self.dynamic is not None else self.policy
+        if sizer is not None:
+            sizer.observe(round)
+
+    def describe(self) -> dict:
+        facts = {
+            "artifact": self.artifact,
+            "feature_layers": self.layers,
+            "draft_vocab_size": len(self.token_ids),
+            "k": self.config.k,
+            "heldout_top1": self.meta.get("metrics", {}).get("top1"),
+        }
+        if self.dynamic is not None:
+            facts.update(self.dynamic.describe())
+        elif self.policy is not None:
+            facts["draft_length_rates"] = self.policy.as_dict()
+        return facts
