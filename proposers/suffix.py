@@ -9,7 +9,10 @@ Two suffix indexes (proposers/suffix_index.py) are searched every round:
 
 In each, the longest suffix of the context (at most ``max_match`` tokens) that
 occurred with a continuation is found, and a tree of its likely continuations
-is grown best-first (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975).
+is grown best-first (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975);
+up to ``match_lengths - 1`` shorter suffixes that occurred more often add the
+paths the longest match did not see (a long match is the most specific
+evidence, a shorter one the better-voted).
 A node's chance of acceptance, given its parent's, is read from how often
 nodes like it were accepted, counted per (depth, share of the occurrences that
 continued with its token (smoothed: count / (occurrences + 1)), source,
@@ -70,6 +73,9 @@ class SuffixProposer(Proposer):
         k: int = 8  # deepest path of a draft tree (tokens after the pending one)
         max_nodes: int = 16  # largest draft tree
         max_match: int = 16  # longest suffix of the context looked up
+        # matches of different lengths whose trees are joined: the longest, then shorter
+        # ones that occurred more often (1 = the longest match only)
+        match_lengths: int = 3
         adaptive: bool = True  # trees sized from T(n) and measured acceptance; false: max_nodes most frequent
         memory_requests: int = 256  # earlier requests kept (0: no memory across requests)
         memory_tokens: int = 200_000  # tokens kept in memory over all requests
@@ -78,7 +84,7 @@ class SuffixProposer(Proposer):
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
-        for name in ("k", "max_nodes", "max_match", "explore_every"):
+        for name in ("k", "max_nodes", "max_match", "match_lengths", "explore_every"):
             if getattr(config, name) < 1:
                 raise ValueError(f"proposer.{name} must be >= 1, got {getattr(config, name)}")
         if config.memory_requests < 0 or config.memory_tokens < 0:
@@ -115,7 +121,9 @@ class SuffixProposer(Proposer):
         for path, candidate in self._candidates(self.memory, tokens, MEMORY).items():
             if path not in candidates or candidate.value > candidates[path].value:
                 candidates[path] = candidate
+        # best first; a prefix's value is at least its extension's, so every cut is a tree
         ranked = sorted(candidates.items(), key=lambda item: (-item[1].value, len(item[0])))
+        ranked = ranked[: self.config.max_nodes]
         size = self._size([c.value for _, c in ranked]) if ranked else 0
         draft, self._keys = tree_of(ranked[:size])
         self.sizes[size] = self.sizes.get(size, 0) + 1
@@ -145,12 +153,26 @@ class SuffixProposer(Proposer):
     # ------------------------------------------------------------------ the tree
 
     def _candidates(self, index: SuffixIndex, context: list[int], source: str) -> dict[tuple, Candidate]:
-        """The ``max_nodes`` best continuation paths of the longest match in ``index``,
-        best-first by estimated acceptance (adaptive) or by frequency."""
-        match = index.longest_match(context, self.config.max_match)
-        if match is None:
+        """The best continuation paths of the matches in ``index`` (at most ``max_nodes`` per
+        match), best-first by estimated acceptance (adaptive) or by frequency. A path
+        found after several matches keeps the longest match's estimate (the most specific
+        evidence); shorter matches add only the paths it did not find."""
+        matches = index.matches(context, self.config.max_match, self.config.match_lengths)
+        if not matches:
             return {}
         self.matched[source] += 1
+        found: dict[tuple, Candidate] = {}
+        for match in matches:
+            for path, candidate in self._grow(index, match, source).items():
+                found.setdefault(path, candidate)
+        # a path is accepted only after its prefix: never value it above the prefix
+        for path in sorted(found, key=len):
+            if len(path) > 1 and found[path].value > found[path[:-1]].value:
+                found[path] = Candidate(found[path[:-1]].value, found[path].key)
+        return found
+
+    def _grow(self, index: SuffixIndex, match: State, source: str) -> dict[tuple, Candidate]:
+        """The ``max_nodes`` best paths after one match, grown best-first."""
         match_length = match[1]
         limit, max_depth = self.config.max_nodes, self.config.k
         found: dict[tuple, Candidate] = {}

@@ -166,6 +166,26 @@ class SuffixIndex:
                 return state
         return None
 
+    def matches(self, context: Sequence[int], max_length: int, most: int) -> list[State]:
+        """Up to ``most`` suffixes of ``context`` that occurred with a continuation, longest
+        first, each shorter one kept only if it occurred more often than the last one kept:
+        the longest match is the most specific evidence, a shorter one with more
+        occurrences the better-voted. ``most=1`` is :meth:`longest_match`."""
+        found: list[State] = []
+        occurrences = 0
+        longest = min(max_length, len(context), self.depth - 1)
+        for length in range(longest, 0, -1):
+            state = self.walk(context[len(context) - length :])
+            if state is None:
+                continue
+            count = sum(c.count for c in self.continuations(state))
+            if count > occurrences:
+                found.append(state)
+                occurrences = count
+                if len(found) == most:
+                    break
+        return found
+
     # ------------------------------------------------------------------ internals
 
     def _at(self, position: int) -> int:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 import train.generation as generation
 from decoders import Pipeline
 from tests.conftest import REPO_ROOT
+from tests.test_distill import TINY_DISTILL
 from tests.test_train import compose_train
 from train.draft_model import META_FILE
 from train.job import run
@@ -27,22 +28,9 @@ from train.loop import FitConfig, RunLogger, ScaleConfig, fit
 from train.processes import process_state
 
 TARGET_KEY = "tiny-random-v320-h64-l2-s0"
-RECIPE = [
-    "model=tiny-random",
-    "model.dtype=float64",
-    "logger=disabled",
-    "drafter=draft_model",
-    "train.data.magpie_prompts=0",
-    "train.data.templated_prompts=36",
-    "train.data.passages=4",
-    "train.data.max_new_tokens=40",
-    "train.data.batch_size=10",  # 4 parts: the processes take 2 each
-    "train.data.heldout=0.2",
-    "drafter.num_layers=1",
-    "drafter.draft_vocab_size=0",
-    "drafter.epochs=6",
-    "drafter.lr=0.003",
-    "drafter.vocab_sizes=[32]",
+# test_distill's tiny distillation, generating in 4 parts (the processes take 2 each), checkpointing often
+RECIPE = [option for option in TINY_DISTILL if not option.startswith("train.data.batch_size=")] + [
+    "train.data.batch_size=10",
     "drafter.checkpoint_every=5",
 ]
 LAUNCH_TIMEOUT = 300  # seconds; a run takes about 20 s on 2 shared cores

@@ -130,6 +130,30 @@ def test_longest_match_is_the_longest_suffix_that_continued(depth, document, con
     assert (state[1] if state else 0) == max(lengths, default=0)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    depth=st.integers(2, 8),
+    document=st.lists(st.integers(0, 3), max_size=30),
+    context=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    max_length=st.integers(1, 10),
+    most=st.integers(1, 4),
+)
+def test_matches_are_suffixes_each_more_frequent_than_the_last(depth, document, context, max_length, most):
+    """matches(): longest first, each kept suffix continued more often than the one kept
+    before it, up to ``most``; the first is the longest match."""
+    index = SuffixIndex(depth)
+    index.add_document(document)
+    expected, best = [], 0
+    for n in range(min(max_length, len(context), depth - 1), 0, -1):
+        continued = sum(next_tokens([document], context[len(context) - n :]).values())
+        if continued > best and len(expected) < most:
+            expected.append(n)
+            best = continued
+    assert [depth for _, depth in index.matches(context, max_length, most)] == expected
+    longest = index.longest_match(context, max_length)
+    assert (longest[1] if longest else 0) == (expected[0] if expected else 0)
+
+
 def test_the_index_refuses_misuse():
     with pytest.raises(ValueError, match="depth >= 2"):
         SuffixIndex(1)
@@ -164,9 +188,12 @@ def paths(draft) -> list[list[int]]:
 
 
 def test_drafts_are_continuations_that_occurred(tiny_pipeline):
-    """Without memory, every drafted path is what followed the longest repeated suffix of
-    the request somewhere in it, and the principal path is the most frequent one."""
-    proposer = suffix_proposer(tiny_pipeline, memory_requests=0, adaptive=False, k=4, max_nodes=8)
+    """Without memory and with the longest match only, every drafted path is what followed
+    the longest repeated suffix of the request somewhere in it, and the principal path is
+    the most frequent one."""
+    proposer = suffix_proposer(
+        tiny_pipeline, memory_requests=0, adaptive=False, k=4, max_nodes=8, match_lengths=1
+    )
     drafted = 0
     for prompt in random_prompts(6, vocab=6, seed=3):
         stream = list(prompt)
@@ -188,6 +215,29 @@ def test_drafts_are_continuations_that_occurred(tiny_pipeline):
             )
             proposer.observe(None, _accept_nothing(draft))
     assert drafted > 10
+
+
+def test_drafts_of_several_match_lengths_are_continuations_of_one_of_them(tiny_pipeline):
+    """With match_lengths=3 every drafted path followed one of the request's matches
+    (index.matches), and the drafts are trees within max_nodes."""
+    proposer = suffix_proposer(tiny_pipeline, memory_requests=0, adaptive=False, k=4, max_nodes=8)
+    assert proposer.config.match_lengths == 3
+    several = 0
+    for prompt in random_prompts(6, vocab=6, seed=3):
+        stream = list(prompt)
+        proposer.begin(None)
+        for token in [1, 2, 3, 1, 2]:
+            stream.append(token)
+            draft = proposer.propose(_State(stream))
+            if not len(draft):
+                continue
+            assert len(draft) <= 8 and all(p < i for i, p in enumerate(draft.parents))
+            lengths = [state[1] for state in proposer.request.matches(stream, 16, 3)]
+            several += len(lengths) > 1
+            for path in paths(draft):
+                assert any(occurrences([stream], stream[-n:] + path) for n in lengths), (stream, path)
+            proposer.observe(None, _accept_nothing(draft))
+    assert several > 5
 
 
 class _State:

@@ -182,12 +182,7 @@ def train(job: TrainJob) -> Path:
         "metrics": metrics,
         "initial_metrics": initial,
         "train_metrics": last,
-        "training": {
-            "config": asdict(cfg),
-            "data": asdict(job.data_config),
-            "sequences": len(training),
-            "positions": int(rows["response_len"].sum()),
-        },
+        "training": job.training_record(cfg, len(training), int(rows["response_len"].sum())),
     }
     (output / META_FILE).write_text(json.dumps(meta, indent=2))
     checkpoints.remove(checkpoint)

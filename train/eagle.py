@@ -139,12 +139,7 @@ def train(job: TrainJob) -> Path:
         "metrics": metrics.pop("heldout"),
         "eval_metrics": metrics,
         "train_metrics": last,
-        "training": {
-            "config": asdict(cfg),
-            "data": asdict(job.data_config),
-            "sequences": len(training),
-            "positions": positions,
-        },  # fmt: skip
+        "training": job.training_record(cfg, len(training), positions),
     }
     save_artifact(peft_drafter, job.output_dir, meta, counts)
     checkpoints.remove(checkpoint)

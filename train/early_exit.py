@@ -164,7 +164,7 @@ def train(job: TrainJob) -> Path:
         "untrained": before,
         "trained": after,
         "train_metrics": last,
-        "training": {"config": asdict(cfg), "data": asdict(job.data_config), "sequences": len(examples)},
+        "training": job.training_record(cfg, len(examples)),
     }
     (output / "training.json").write_text(json.dumps(meta, indent=2))
     checkpoints.remove(checkpoint)

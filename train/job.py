@@ -139,6 +139,15 @@ class TrainJob:
         options = self.options
         return ScaleConfig(options.accumulation_steps, options.mixed_precision)
 
+    def training_record(self, recipe, sequences: int, positions: int | None = None) -> dict:
+        """What an artifact's metadata says of how it was trained: the drafter's recipe,
+        the data settings, and how many sequences (and positions) it saw."""
+        record = {"config": dataclasses.asdict(recipe), "data": dataclasses.asdict(self.data_config)}
+        record["sequences"] = sequences
+        if positions is not None:
+            record["positions"] = positions
+        return record
+
     @property
     def is_main_process(self) -> bool:
         """The process that evaluates and writes the artifact (the only one in a plain run)."""

@@ -136,12 +136,7 @@ def train(job: TrainJob) -> Path:
         "metrics": heldout_metrics,
         "eval_metrics": metrics,
         "train_metrics": last,
-        "training": {
-            "config": asdict(cfg),
-            "data": asdict(job.data_config),
-            "sequences": len(training),
-            "positions": positions,
-        },
+        "training": job.training_record(cfg, len(training), positions),
     }
     save_artifact(peft_heads, job.output_dir, meta)
     checkpoints.remove(checkpoint)
