@@ -26,7 +26,7 @@ deterministic node's row is the point mass on its token (the q-rule with a
 point mass is the point-mass rule), so sampled nodes keep the min(1, p/q)
 acceptance they would get alone.
 
-With ``joint_budget=true`` the joined tree is sized as a whole (issue 18): every
+With ``joint_budget=true`` the joined tree is sized as a whole: every
 deterministic node a member estimated (``Draft.values``, its calibrated chance
 that the node's path is accepted; a shared node takes the best estimate, and
 counts once) competes in one :func:`decoders.sizing.search.best_size` against
