@@ -3,7 +3,8 @@
 Two suffix indexes (proposers/suffix_index.py) are searched every round:
 
 * the **request**: the prompt and the output so far, updated as tokens arrive;
-* the **memory**: earlier requests' prompts and outputs, bounded by
+* the **memory**: earlier requests' outputs (and their prompts with
+  ``memory_prompts``), bounded by
   ``memory_requests`` and ``memory_tokens`` (oldest evicted first), optionally
   loaded from and saved to ``memory_path`` so it outlives the process.
 
@@ -80,6 +81,9 @@ class SuffixProposer(Proposer):
         memory_requests: int = 256  # earlier requests kept (0: no memory across requests)
         memory_tokens: int = 200_000  # tokens kept in memory over all requests
         memory_path: str | None = None  # JSON file the memory is loaded from and saved to after each request
+        # earlier requests' prompts go into memory too; false: their outputs only (outputs
+        # predict outputs; the current prompt is in the request's own index anyway)
+        memory_prompts: bool = True
         explore_every: int = 16  # rounds switched off (no draft) between two one-node probes
 
     def __init__(self, config: Config, context) -> None:
@@ -142,7 +146,8 @@ class SuffixProposer(Proposer):
         self._keys = None
         if self.config.memory_requests == 0 or self.config.memory_tokens == 0:
             return
-        self.memory.add_document(state.tokens[-self.config.memory_tokens :])
+        kept = state.tokens if self.config.memory_prompts else state.tokens[state.prompt_len :]
+        self.memory.add_document(kept[-self.config.memory_tokens :])
         self._evict(self.memory)
         if self.config.memory_path:
             save_memory(self.memory, Path(self.config.memory_path), self.context.target_key)

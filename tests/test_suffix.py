@@ -241,8 +241,9 @@ def test_drafts_of_several_match_lengths_are_continuations_of_one_of_them(tiny_p
 
 
 class _State:
-    def __init__(self, tokens: list[int]) -> None:
+    def __init__(self, tokens: list[int], prompt_len: int = 0) -> None:
         self.tokens = tokens
+        self.prompt_len = prompt_len
 
 
 def _accept_nothing(draft) -> Round:
@@ -268,20 +269,25 @@ def test_memory_drafts_a_repeated_request_in_few_passes(tiny_pipeline):
     assert remembering.generate(prompt, 40).stats.target_passes > second.stats.target_passes
 
 
-def test_memory_keeps_the_newest_requests_within_both_bounds(tiny_pipeline):
+@pytest.mark.parametrize("memory_prompts", [False, True])
+def test_memory_keeps_the_newest_requests_within_both_bounds(tiny_pipeline, memory_prompts):
+    """Each request's output (with memory_prompts, prompt and output) is kept, the oldest
+    evicted first, within both bounds."""
+    bound = 60 if memory_prompts else 25
     pipeline = tiny_pipeline.with_components(
-        {"name": "suffix", "memory_requests": 3, "memory_tokens": 60}, "tree"
+        {"name": "suffix", "memory_requests": 3, "memory_tokens": bound, "memory_prompts": memory_prompts},
+        "tree",
     )
     proposer = pipeline.proposer
     kept: list[list[int]] = []
     for prompt in random_prompts(8, seed=4, repetitive=False):
         output = pipeline.generate(prompt, 10).tokens
-        kept.append((prompt + output)[-60:])
-        while len(kept) > 3 or sum(map(len, kept)) > 60:
+        kept.append(((prompt if memory_prompts else []) + output)[-bound:])
+        while len(kept) > 3 or sum(map(len, kept)) > bound:
             kept.pop(0)
         memory = proposer.memory
         assert [memory.document(i) for i in range(memory.documents)] == kept
-        assert memory.documents <= 3 and memory.tokens <= 60
+        assert memory.documents <= 3 and memory.tokens <= bound
     evicted = random_prompts(8, seed=4, repetitive=False)[0]
     assert memory.count(evicted[:3]) == len(occurrences(kept, evicted[:3]))
 
