@@ -83,7 +83,7 @@ class SuffixProposer(Proposer):
         memory_path: str | None = None  # JSON file the memory is loaded from and saved to after each request
         # earlier requests' prompts go into memory too; false: their outputs only (outputs
         # predict outputs; the current prompt is in the request's own index anyway)
-        memory_prompts: bool = True
+        memory_prompts: bool = False
         explore_every: int = 16  # rounds switched off (no draft) between two one-node probes
 
     def __init__(self, config: Config, context) -> None:
