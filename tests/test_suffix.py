@@ -187,6 +187,20 @@ def paths(draft) -> list[list[int]]:
     return result
 
 
+def drafted_streams(proposer):
+    """Drive ``proposer`` (no memory) over short requests: yield (stream, draft) for every
+    non-empty draft, each then observed as wholly rejected."""
+    for prompt in random_prompts(6, vocab=6, seed=3):
+        stream = list(prompt)
+        proposer.begin(None)
+        for token in [1, 2, 3, 1, 2]:
+            stream.append(token)
+            draft = proposer.propose(_State(stream))
+            if len(draft):
+                yield stream, draft
+                proposer.observe(None, _accept_nothing(draft))
+
+
 def test_drafts_are_continuations_that_occurred(tiny_pipeline):
     """Without memory and with the longest match only, every drafted path is what followed
     the longest repeated suffix of the request somewhere in it, and the principal path is
@@ -195,25 +209,14 @@ def test_drafts_are_continuations_that_occurred(tiny_pipeline):
         tiny_pipeline, memory_requests=0, adaptive=False, k=4, max_nodes=8, match_lengths=1
     )
     drafted = 0
-    for prompt in random_prompts(6, vocab=6, seed=3):
-        stream = list(prompt)
-        proposer.begin(None)
-        for token in [1, 2, 3, 1, 2]:
-            stream.append(token)
-            draft = proposer.propose(_State(stream))
-            if not len(draft):
-                continue
-            drafted += 1
-            length = max(n for n in range(1, 17) if n < len(stream) and next_tokens([stream], stream[-n:]))
-            match = stream[-length:]
-            for path in paths(draft):
-                assert occurrences([stream], match + path), (stream, match, path)
-            principal = [draft.tokens[i] for i in draft.principal_path()]
-            assert (
-                next_tokens([stream], match).most_common(1)[0][1]
-                == next_tokens([stream], match)[principal[0]]
-            )
-            proposer.observe(None, _accept_nothing(draft))
+    for stream, draft in drafted_streams(proposer):
+        drafted += 1
+        length = max(n for n in range(1, 17) if n < len(stream) and next_tokens([stream], stream[-n:]))
+        match = stream[-length:]
+        for path in paths(draft):
+            assert occurrences([stream], match + path), (stream, match, path)
+        principal = [draft.tokens[i] for i in draft.principal_path()]
+        assert next_tokens([stream], match).most_common(1)[0][1] == next_tokens([stream], match)[principal[0]]
     assert drafted > 10
 
 
@@ -223,20 +226,12 @@ def test_drafts_of_several_match_lengths_are_continuations_of_one_of_them(tiny_p
     proposer = suffix_proposer(tiny_pipeline, memory_requests=0, adaptive=False, k=4, max_nodes=8)
     assert proposer.config.match_lengths == 3
     several = 0
-    for prompt in random_prompts(6, vocab=6, seed=3):
-        stream = list(prompt)
-        proposer.begin(None)
-        for token in [1, 2, 3, 1, 2]:
-            stream.append(token)
-            draft = proposer.propose(_State(stream))
-            if not len(draft):
-                continue
-            assert len(draft) <= 8 and all(p < i for i, p in enumerate(draft.parents))
-            lengths = [state[1] for state in proposer.request.matches(stream, 16, 3)]
-            several += len(lengths) > 1
-            for path in paths(draft):
-                assert any(occurrences([stream], stream[-n:] + path) for n in lengths), (stream, path)
-            proposer.observe(None, _accept_nothing(draft))
+    for stream, draft in drafted_streams(proposer):
+        assert len(draft) <= 8 and all(p < i for i, p in enumerate(draft.parents))
+        lengths = [state[1] for state in proposer.request.matches(stream, 16, 3)]
+        several += len(lengths) > 1
+        for path in paths(draft):
+            assert any(occurrences([stream], stream[-n:] + path) for n in lengths), (stream, path)
     assert several > 5
 
 
