@@ -161,9 +161,9 @@ def decode(
     if on_tokens:
         on_tokens(output)
     state = DecodeState(list(prompt_ids) + output, len(prompt_ids), sampling, generator, target.hidden)
-    if proposer is not None and proposer.drafts_in_target:
-        state.session = target
     if proposer is not None:
+        if proposer.drafts_in_target:
+            state.session = target
         proposer.begin(state)
 
     while not done:
