@@ -80,17 +80,22 @@ def test_the_tap_gives_the_targets_hidden_states(tiny_model):
     torch.testing.assert_close(features, torch.cat([reference[1][0], reference[2][0]], -1))
 
 
+def prefilled(base, prompt: list[int], sampling: SamplingConfig) -> tuple[ModelSession, DecodeState]:
+    """A target session after the prefill of ``prompt``, and the state a proposer sees then."""
+    session = ModelSession(base.model)
+    pending = int(session.forward(prompt)[-1].argmax())
+    return session, DecodeState(
+        prompt + [pending], len(prompt), sampling, sampling.generator(), session.hidden
+    )
+
+
 def test_drafts_follow_the_training_time_test_forward(base):
     """A greedy chain's tokens are the argmax of the unrolled training forward's step k at
     the row its path ends on: the draft cache at inference is what training attends to."""
     proposer = base.with_components({"name": "eagle", "adaptive": False, "k": 3}, "greedy").proposer
     drafter = proposer.drafter
     prompt = random_prompts(1, seed=6)[0]
-    session = ModelSession(base.model)
-    pending = int(session.forward(prompt)[-1].argmax())
-    state = DecodeState(
-        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session.hidden
-    )
+    session, state = prefilled(base, prompt, SamplingConfig())
     proposer.begin(state)
     draft = proposer.propose(state)
     assert len(draft) == 3
@@ -153,9 +158,7 @@ def test_sampled_chains_carry_the_drafters_distribution(base):
     proposer = base.with_components({"name": "eagle", "adaptive": False}, "rejection").proposer
     sampling = SamplingConfig(temperature=1.0)
     prompt = random_prompts(1, seed=3)[0]
-    session = ModelSession(base.model)
-    pending = int(session.forward(prompt)[-1].argmax())
-    state = DecodeState(prompt + [pending], len(prompt), sampling, sampling.generator(), session.hidden)
+    session, state = prefilled(base, prompt, sampling)
     proposer.begin(state)
     draft = proposer.propose(state)
     assert draft.draft_probs.shape == (4, base.model.config.vocab_size)
@@ -213,11 +216,7 @@ def test_dynamic_tree_nodes_are_their_parents_top_children(base):
     assert not proposer.sampled
     drafter = proposer.drafter
     prompt = random_prompts(1, seed=4)[0]
-    session = ModelSession(base.model)
-    pending = int(session.forward(prompt)[-1].argmax())
-    state = DecodeState(
-        prompt + [pending], len(prompt), SamplingConfig(), SamplingConfig().generator(), session.hidden
-    )
+    session, state = prefilled(base, prompt, SamplingConfig())
     proposer.begin(state)
     draft = proposer.propose(state)
     assert len(draft) == 3 + 2 * 3 * 3 and draft.draft_probs is None

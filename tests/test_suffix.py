@@ -117,30 +117,12 @@ def test_counts_and_continuations_match_brute_force(depth, ops, probes):
     document=st.lists(st.integers(0, 3), max_size=30),
     context=st.lists(st.integers(0, 3), min_size=1, max_size=12),
     max_length=st.integers(1, 10),
-)
-def test_longest_match_is_the_longest_suffix_that_continued(depth, document, context, max_length):
-    index = SuffixIndex(depth)
-    index.add_document(document)
-    state = index.longest_match(context, max_length)
-    lengths = [
-        n
-        for n in range(1, min(max_length, len(context), depth - 1) + 1)
-        if next_tokens([document], context[len(context) - n :])
-    ]
-    assert (state[1] if state else 0) == max(lengths, default=0)
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    depth=st.integers(2, 8),
-    document=st.lists(st.integers(0, 3), max_size=30),
-    context=st.lists(st.integers(0, 3), min_size=1, max_size=12),
-    max_length=st.integers(1, 10),
     most=st.integers(1, 4),
 )
 def test_matches_are_suffixes_each_more_frequent_than_the_last(depth, document, context, max_length, most):
     """matches(): longest first, each kept suffix continued more often than the one kept
-    before it, up to ``most``; the first is the longest match."""
+    before it, up to ``most``; the first is longest_match(), the longest suffix that
+    continued."""
     index = SuffixIndex(depth)
     index.add_document(document)
     expected, best = [], 0
