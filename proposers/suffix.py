@@ -17,7 +17,8 @@ evidence, a shorter one the better-voted).
 A node's chance of acceptance, given its parent's, is read from how often
 nodes like it were accepted, counted per (depth, share of the occurrences that
 continued with its token (smoothed: count / (occurrences + 1)), source,
-match-length bucket) in an :class:`decoders.sizing.acceptance.AcceptanceStats`
+match-length bucket, whether it continues the match's latest occurrence as
+prompt lookup would) in an :class:`decoders.sizing.acceptance.AcceptanceStats`
 (the confident convention: the frequency is taken at its word until measured):
 the two sources are weighed separately, and a long match counts for more than a
 short one. The two trees are joined (a node present in both takes the better
@@ -51,14 +52,15 @@ REQUEST, MEMORY = "request", "memory"
 MEMORY_FORMAT = 1
 
 
-def source_key(depth: int, frequency: float, source: str, match_length: int) -> tuple:
-    """A suffix node's key: (depth, frequency bucket, source, match-length bucket)."""
-    return (*confidence_key(depth, frequency), source, min(match_length.bit_length(), 5))
+def source_key(depth: int, frequency: float, source: str, match_length: int, latest: bool = False) -> tuple:
+    """A suffix node's key: (depth, frequency bucket, source, match-length bucket, whether
+    it continues the match's latest occurrence)."""
+    return (*confidence_key(depth, frequency), source, min(match_length.bit_length(), 5), latest)
 
 
 def source_label(key: tuple) -> str:
-    depth, bucket, source, match = key
-    return f"{source}_match{2 ** (match - 1)}+_depth{depth}_f{bucket / 10:.1f}"
+    depth, bucket, source, match, latest = key
+    return f"{source}_match{2 ** (match - 1)}+_depth{depth}_f{bucket / 10:.1f}" + ("_latest" * latest)
 
 
 @dataclass
@@ -85,6 +87,9 @@ class SuffixProposer(Proposer):
         # predict outputs; the current prompt is in the request's own index anyway)
         memory_prompts: bool = False
         explore_every: int = 16  # rounds switched off (no draft) between two one-node probes
+        # nodes that continue the match's latest occurrence (prompt lookup's choice) are
+        # calibrated apart from the others: recency as evidence beside frequency
+        latest: bool = True
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
@@ -180,6 +185,7 @@ class SuffixProposer(Proposer):
         """The ``max_nodes`` best paths after one match, grown best-first."""
         match_length = match[1]
         limit, max_depth = self.config.max_nodes, self.config.k
+        latest = tuple(index.recent_continuation(match, max_depth)) if self.config.latest else ()
         found: dict[tuple, Candidate] = {}
         order = 0  # heap tie-break: insertion order
         frontier: list[tuple[float, int, tuple, State, tuple]] = [(-1.0, order, (), match, ())]
@@ -196,10 +202,11 @@ class SuffixProposer(Proposer):
                 # occurrence added: 1 of 1 is 0.5, 5 of 5 is 0.83 (few occurrences prove little)
                 frequency = child.count / (total + 1)
                 depth = len(path)
-                key = source_key(depth, frequency, source, match_length)
+                extended = path + (child.token,)
+                key = source_key(depth, frequency, source, match_length, extended == latest[: depth + 1])
                 rate = self.calibration.rate(key) if self.config.adaptive else frequency
                 order += 1
-                heapq.heappush(frontier, (negative * rate, order, path + (child.token,), child.state, key))
+                heapq.heappush(frontier, (negative * rate, order, extended, child.state, key))
         return found
 
     def _size(self, values: list[float]) -> int:

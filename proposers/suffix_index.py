@@ -63,6 +63,7 @@ class SuffixIndex:
         self._open = False  # whether the last document still grows
         self._count: list[int] = [0]  # occurrences per explicit node (the root's unused)
         self._children: list[dict[int, int]] = [{}]  # per explicit node: token -> node id or ~start
+        self._latest: list[int] = [-1]  # per explicit node: start of its latest occurrence that continued
         self._free: list[int] = []  # ids of removed nodes, for reuse
         self._active: list[tuple[int, int]] = []  # (start j, node of tokens[j:end]) of the open document
 
@@ -156,6 +157,19 @@ class SuffixIndex:
         for token, child in self._children[code].items():
             yield Continuation(token, self._count[child] if child >= 0 else 1, (child, depth + 1))
 
+    def recent_continuation(self, state: State, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest occurrence of the string at
+        ``state`` that continued (within its document): prompt lookup's choice. Empty
+        where :meth:`continuations` is."""
+        code, depth = state
+        if depth >= self.depth:
+            return []
+        start = ~code if code < 0 else self._latest[code]
+        if start < self._base:  # none (or evicted, and with it every occurrence that continued)
+            return []
+        begin, end = start + depth, self._end_of(start)
+        return self._tokens[begin - self._base : min(begin + limit, end) - self._base]
+
     def longest_match(self, context: Sequence[int], max_length: int) -> State | None:
         """The state of the longest suffix of ``context`` (at most ``max_length`` tokens,
         and short enough to continue within ``depth``) that occurred with a continuation."""
@@ -211,9 +225,11 @@ class SuffixIndex:
             node = self._free.pop()
             self._count[node] = count
             self._children[node] = {}
+            self._latest[node] = -1
             return node
         self._count.append(count)
         self._children.append({})
+        self._latest.append(-1)
         return len(self._count) - 1
 
     def _append(self, token: int) -> None:
@@ -224,6 +240,7 @@ class SuffixIndex:
             depth = n - start  # length of tokens[start:n], the string at ``node``
             if depth >= self.depth:
                 continue
+            self._latest[node] = start  # this occurrence of the string continued, with ``token``
             children = self._children[node]
             child = children.get(token)
             if child is None:  # first occurrence of the longer string: a leaf
@@ -236,6 +253,7 @@ class SuffixIndex:
                 following = other + depth + 1
                 if depth + 1 < self.depth and following < self._end_of(other):
                     self._children[child][self._at(following)] = ~other
+                    self._latest[child] = other
             self._count[child] += 1
             active.append((start, child))
         self._active = active

@@ -57,6 +57,17 @@ def next_tokens(documents: list[list[int]], pattern: list[int]) -> Counter:
     )
 
 
+def latest_continuation(documents: list[list[int]], pattern: list[int], depth: int, limit: int) -> list[int]:
+    """Up to ``limit`` tokens after the latest occurrence of ``pattern`` that continued
+    (none for a string of the index's full depth, whose continuations are not kept)."""
+    n = len(pattern)
+    continued = [(d, i) for d, i in occurrences(documents, pattern) if i + n < len(documents[d])]
+    if not continued or n >= depth:
+        return []
+    d, i = max(continued)
+    return documents[d][i + n : i + n + limit]
+
+
 tokens = st.lists(st.integers(0, 2), max_size=14)
 operations = st.lists(
     st.one_of(
@@ -76,7 +87,8 @@ operations = st.lists(
 )
 def test_counts_and_continuations_match_brute_force(depth, ops, probes):
     """After any mix of whole documents, a growing last document and evictions, every
-    string of at most ``depth`` tokens has its brute-force count and continuations."""
+    string of at most ``depth`` tokens has its brute-force count, continuations and
+    latest continuation."""
     index = SuffixIndex(depth)
     documents: list[list[int]] = []
     growing = False
@@ -109,6 +121,7 @@ def test_counts_and_continuations_match_brute_force(depth, ops, probes):
         found = {c.token: c.count for c in index.continuations(state)}  # a dict: zero counts differ
         expected = dict(next_tokens(documents, pattern)) if len(pattern) < depth else {}
         assert found == expected, (pattern, found, expected)
+        assert index.recent_continuation(state, 3) == latest_continuation(documents, pattern, depth, 3)
 
 
 @settings(max_examples=150, deadline=None)
