@@ -40,12 +40,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decoders.engine.context import artifact_source
-from decoders.engine.draft import Draft
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
 from decoders.models.layered import LayeredDecoder, check_layered_equivalence
 from decoders.models.session import ModelSession
+from decoders.sizing.draft_length import DraftLengthPolicy
 
 EXIT_WEIGHTS = "exit.safetensors"
 EXIT_CONFIG = "exit_config.json"
@@ -177,6 +178,9 @@ class EarlyExitProposer(Proposer):
         trained: bool = False  # use the trained exit for this exit layer (artifacts dir)
         adapter_path: str | None = None  # a trained exit's directory (implies trained)
         min_confidence: float = 0.0  # end the draft at a token the exit gives less probability (0 = off)
+        # choose each round's length (0 = no draft, no shallow pass) from the acceptance measured
+        # per depth against T(n) and the shallow layers' cost per drafted token
+        adaptive: bool = True
 
     def __init__(self, config: Config, context) -> None:
         target = context.target
@@ -204,6 +208,7 @@ class EarlyExitProposer(Proposer):
             )
         self.layered: LayeredDecoder | None = None
         self._round: _DraftRound | None = None
+        self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
 
     @property
     def sampled(self) -> bool:
@@ -244,6 +249,11 @@ class EarlyExitProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
+        length = self.config.k
+        if self.policy is not None:  # chosen from earlier rounds only: sampling stays lossless
+            length = self.policy.choose(None, length, self._seconds_per_token())
+            if length == 0:
+                return Draft.empty()  # not even the shallow layers run
         session = state.session
         layered = self._layered(session)
         block_start = len(session)
@@ -251,7 +261,7 @@ class EarlyExitProposer(Proposer):
         exit_rows: list[torch.Tensor] = []
         draft_tokens: list[int] = []
         draft_rows: list[torch.Tensor] = []
-        for i in range(self.config.k):
+        for i in range(length):
             exit_rows.append(layered.run(layered.embed(inputs[-1:]), 0, self.exit_layer))  # (1, hidden)
             logits = self.exit_head(exit_rows[-1][0])  # (vocab,)
             check_finite(logits, "early exit's draft pass")
@@ -261,7 +271,7 @@ class EarlyExitProposer(Proposer):
             draft_tokens.append(token)
             if probs is not None:
                 draft_rows.append(probs)
-            if i + 1 < self.config.k:
+            if i + 1 < length:
                 inputs.append(token)
         if self.kv_reuse:
             self._round = _DraftRound(block_start, inputs, torch.cat(exit_rows))
@@ -269,6 +279,15 @@ class EarlyExitProposer(Proposer):
             layered.crop(0, self.exit_layer, block_start)
         draft_probs = torch.stack(draft_rows) if draft_rows else None  # (k, vocab)
         return Draft.chain(draft_tokens, draft_probs)
+
+    def _seconds_per_token(self) -> float:
+        """What drafting one token costs: a one-token pass through the shallow layers,
+        their share of the target's T(1)."""
+        return self.context.cost_curve()(1) * self.exit_layer / self.context.target.config.num_hidden_layers
+
+    def observe(self, state, round: Round) -> None:
+        if self.policy is not None:
+            self.policy.observe(round)
 
     @torch.inference_mode()
     def verify_forward(
@@ -315,6 +334,7 @@ class EarlyExitProposer(Proposer):
 
     def describe(self) -> dict:
         return {
+            **({"draft_length_rates": self.policy.as_dict()} if self.policy is not None else {}),
             "exit_layer": self.exit_layer,
             "num_layers": self.context.target.config.num_hidden_layers,
             "kv_reuse": self.kv_reuse,

@@ -13,6 +13,7 @@ from decoders import Pipeline
 from decoders.engine.sampling import SamplingConfig
 from decoders.engine.state import DecodeState
 from decoders.models.layered import LayeredDecoder, UnsupportedArchitectureError, check_layered_equivalence
+from decoders.models.cost import CostCurve
 from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
 from proposers.early_exit import EarlyExitProposer, ExitHead, exit_artifact_dir
@@ -131,7 +132,7 @@ def test_reused_verify_pass_equals_full_pass(base, deep_model, exit_layer, cut):
 def test_kv_reuse_replaces_the_full_verification_pass(base, kv_reuse):
     """With reuse the target's full forward runs only for the prefill; without it,
     once per round as well, and the shallow layers never run ahead afterwards."""
-    pipeline = early_exit(base, exit_layer=2, k=3, kv_reuse=kv_reuse)
+    pipeline = early_exit(base, exit_layer=2, k=3, kv_reuse=kv_reuse, adaptive=False)
     session = pipeline.session
     full_passes = []
     forward = session.forward
@@ -142,6 +143,37 @@ def test_kv_reuse_replaces_the_full_verification_pass(base, kv_reuse):
     rounds = result.stats.target_passes
     assert len(full_passes) == (1 if kv_reuse else 1 + rounds)
     assert session.cache.get_seq_length(0) == session.cache.get_seq_length(NUM_LAYERS - 1) == len(session)
+
+
+def test_the_exit_stops_drafting_where_no_draft_can_pay(deep_model, deep_config, tmp_path, monkeypatch):
+    """Drafting with every layer costs a full pass per drafted token, so no draft pays
+    though every one is accepted: the adaptive length is 0 but for a one-token probe
+    every 16 rounds, a round without a draft runs no layer while drafting, and the
+    output is standard decoding's. A shallow exit (a quarter of the cost) drafts."""
+    model, tokenizer = deep_model
+    flat = CostCurve({n: 0.01 for n in (1, 2, 4, 8)})
+    base = Pipeline(model, tokenizer, model_config=deep_config, artifacts_dir=tmp_path, cost_curve=flat)
+    prompt = random_prompts(1, seed=3)[0]
+    whole = early_exit(base, exit_layer=NUM_LAYERS, k=3)
+    layer_runs = []
+    run = LayeredDecoder.run
+    monkeypatch.setattr(LayeredDecoder, "run", lambda self, *args: layer_runs.append(args[1:]) or run(self, *args))
+    propose = whole.proposer.propose
+    drafts = []  # (draft size, layer runs while drafting) per round
+
+    def counted(state):
+        before = len(layer_runs)
+        draft = propose(state)
+        drafts.append((len(draft), len(layer_runs) - before))
+        return draft
+
+    whole.proposer.propose = counted
+    result = whole.generate(prompt, 40)
+    assert result.tokens == base.generate(prompt, 40).tokens
+    assert all(runs == 0 for size, runs in drafts if size == 0)
+    drafted = [size for size, _ in drafts if size]
+    assert drafted and max(drafted) == 1 and len(drafted) <= len(drafts) // 16 + 1
+    assert early_exit(base, exit_layer=1, k=3).generate(prompt, 40).stats.draft_sizes[0] == 3
 
 
 def test_sampled_drafts_carry_their_distribution(base):
