@@ -21,6 +21,13 @@ and the session's ``keep`` rolls all layers back alike. The verify pass skips
 E layers for k of its k + 1 tokens; its logits equal a full pass's up to
 floating-point summation order.
 
+With ``adaptive`` (default) each round's length, 0 included, is chosen before
+any shallow layer runs, by :class:`decoders.sizing.draft_length.DraftLengthPolicy`
+from the acceptance measured per depth, T(n), and a drafted token's cost: T(1)
+times the share of a pass's weights it reads (layers [0, E) and the LM head; 0.42
+at exit 8 of SmolLM2-135M, whose head weighs as much as 7 layers). Where no draft
+pays, the pipeline is standard decoding but for a one-token probe every 16 rounds.
+
 Reuse is exact only while the shallow path *is* the target's: a trained exit
 that adapts shallow layers (LoRA active only while drafting) writes different
 KV entries, so reuse is switched off for it. Without reuse the draft's shallow
@@ -209,6 +216,7 @@ class EarlyExitProposer(Proposer):
         self.layered: LayeredDecoder | None = None
         self._round: _DraftRound | None = None
         self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
+        self._draft_share = self._weights_share(target, exit_layer)  # SmolLM2-135M, exit 8: 0.4
 
     @property
     def sampled(self) -> bool:
@@ -281,9 +289,16 @@ class EarlyExitProposer(Proposer):
         return Draft.chain(draft_tokens, draft_probs)
 
     def _seconds_per_token(self) -> float:
-        """What drafting one token costs: a one-token pass through the shallow layers,
-        their share of the target's T(1)."""
-        return self.context.cost_curve()(1) * self.exit_layer / self.context.target.config.num_hidden_layers
+        """What drafting one token costs: T(1) times the share of a one-token pass's weights
+        it reads (layers [0, exit_layer) and the exit's LM head)."""
+        return self.context.cost_curve()(1) * self._draft_share
+
+    @staticmethod
+    def _weights_share(target: torch.nn.Module, exit_layer: int) -> float:
+        layers = target.get_decoder().layers
+        head = target.get_output_embeddings().weight.numel()
+        size = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        return (sum(size[:exit_layer]) + head) / (sum(size) + head)
 
     def observe(self, state, round: Round) -> None:
         if self.policy is not None:
