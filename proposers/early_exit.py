@@ -216,7 +216,8 @@ class EarlyExitProposer(Proposer):
         self.layered: LayeredDecoder | None = None
         self._round: _DraftRound | None = None
         self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
-        self._draft_share = self._weights_share(target, exit_layer)  # SmolLM2-135M, exit 8: 0.4
+        self._draft_share = self._weights_share(target, exit_layer)  # SmolLM2-135M, exit 8: 0.42
+        self._cut = False
 
     @property
     def sampled(self) -> bool:
@@ -258,6 +259,7 @@ class EarlyExitProposer(Proposer):
     @torch.inference_mode()
     def propose(self, state) -> Draft:
         length = self.config.k
+        self._cut = False  # whether the exit's confidence ended the draft before ``length``
         if self.policy is not None:  # chosen from earlier rounds only: sampling stays lossless
             length = self.policy.choose(None, length, self._seconds_per_token())
             if length == 0:
@@ -275,6 +277,7 @@ class EarlyExitProposer(Proposer):
             check_finite(logits, "early exit's draft pass")
             token, probs, confidence = draft_token(logits, state, self.config.min_confidence > 0)
             if confidence < self.config.min_confidence:
+                self._cut = True
                 break
             draft_tokens.append(token)
             if probs is not None:
@@ -301,8 +304,8 @@ class EarlyExitProposer(Proposer):
         return (sum(size[:exit_layer]) + head) / (sum(size) + head)
 
     def observe(self, state, round: Round) -> None:
-        if self.policy is not None:
-            self.policy.observe(round)
+        if self.policy is not None:  # a confidence cut: its depth was tried (and paid for), for nothing
+            self.policy.observe(round, tried=len(round.draft) + 1 if self._cut else None)
 
     @torch.inference_mode()
     def verify_forward(

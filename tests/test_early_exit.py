@@ -107,7 +107,7 @@ def assert_same_cache(session: ModelSession, reference: ModelSession) -> None:
 @pytest.mark.parametrize("cut", [0, 2, None])  # draft tokens the verifier sees (None = all)
 def test_reused_verify_pass_equals_full_pass(base, deep_model, exit_layer, cut):
     model, _ = deep_model
-    proposer = early_exit(base, exit_layer=exit_layer, k=4).proposer
+    proposer = early_exit(base, exit_layer=exit_layer, k=4, adaptive=False).proposer
     for prompt in random_prompts(3, seed=exit_layer):
         session, block = drafted_round(proposer, model, prompt)
         block = block if cut is None else block[: cut + 1]
@@ -174,6 +174,14 @@ def test_the_exit_stops_drafting_where_no_draft_can_pay(deep_model, deep_config,
     drafted = [size for size, _ in drafts if size]
     assert drafted and max(drafted) == 1 and len(drafted) <= len(drafts) // 16 + 1
     assert early_exit(base, exit_layer=1, k=3).generate(prompt, 40).stats.draft_sizes[0] == 3
+    # an exit never sure enough (min_confidence 1) drafts nothing, but each try costs a
+    # shallow pass: the tries count as failures, and the shallow layers soon stop running
+    unsure = early_exit(base, exit_layer=1, k=3, min_confidence=1.0)
+    propose, drafts = unsure.proposer.propose, []  # what counted() wraps and fills
+    unsure.proposer.propose = counted
+    assert unsure.generate(prompt, 40).tokens == result.tokens
+    tried = [runs for _, runs in drafts if runs]
+    assert len(tried) <= 3 + len(drafts) // 16
 
 
 def test_sampled_drafts_carry_their_distribution(base):

@@ -76,14 +76,18 @@ class DraftLengthPolicy(Sizer):
         keys = [(key, depth) for depth in range(1, proposed + 1)]
         self.stats.record(Draft.chain([0] * proposed), keys, list(range(accepted)))
 
-    def observe(self, round: Round) -> None:
+    def observe(self, round: Round, tried: int | None = None) -> None:
         """Count the round's draft under the last choice's situation, as a chain to the
         deepest node the target saw (the depths of a tree of continuations, e.g. ngram's
-        branches, count once each)."""
+        branches, count once each). ``tried``: the chain's length as tried instead, for a
+        proposer that stopped short of the length it was given (its drafter unsure: the
+        depth it stopped at was tried and gave nothing)."""
         super().observe(round)
-        depths = round.draft.depths
-        if round.verified:
-            self.record(self._key, 1 + max(depths[node] for node in round.verified), round.num_accepted)
+        if tried is None:
+            if not round.verified:
+                return
+            tried = 1 + max(round.draft.depths[node] for node in round.verified)
+        self.record(self._key, tried, round.num_accepted)
 
     def as_dict(self) -> dict:
         """Measured rates per situation and depth (for results files)."""
