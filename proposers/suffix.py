@@ -185,7 +185,7 @@ class SuffixProposer(Proposer):
         """The ``max_nodes`` best paths after one match, grown best-first."""
         match_length = match[1]
         limit, max_depth = self.config.max_nodes, self.config.k
-        latest = tuple(index.recent_continuation(match, max_depth)) if self.config.latest else ()
+        latest = tuple(index.latest_continuation(match, max_depth)) if self.config.latest else ()
         found: dict[tuple, Candidate] = {}
         order = 0  # heap tie-break: insertion order
         frontier: list[tuple[float, int, tuple, State, tuple]] = [(-1.0, order, (), match, ())]

@@ -157,7 +157,7 @@ class SuffixIndex:
         for token, child in self._children[code].items():
             yield Continuation(token, self._count[child] if child >= 0 else 1, (child, depth + 1))
 
-    def recent_continuation(self, state: State, limit: int) -> list[int]:
+    def latest_continuation(self, state: State, limit: int) -> list[int]:
         """Up to ``limit`` tokens that followed the latest occurrence of the string at
         ``state`` that continued (within its document): prompt lookup's choice. Empty
         where :meth:`continuations` is."""

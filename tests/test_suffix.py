@@ -57,7 +57,7 @@ def next_tokens(documents: list[list[int]], pattern: list[int]) -> Counter:
     )
 
 
-def latest_continuation(documents: list[list[int]], pattern: list[int], depth: int, limit: int) -> list[int]:
+def brute_latest_continuation(documents: list[list[int]], pattern: list[int], depth: int, limit: int) -> list[int]:
     """Up to ``limit`` tokens after the latest occurrence of ``pattern`` that continued
     (none for a string of the index's full depth, whose continuations are not kept)."""
     n = len(pattern)
@@ -121,7 +121,7 @@ def test_counts_and_continuations_match_brute_force(depth, ops, probes):
         found = {c.token: c.count for c in index.continuations(state)}  # a dict: zero counts differ
         expected = dict(next_tokens(documents, pattern)) if len(pattern) < depth else {}
         assert found == expected, (pattern, found, expected)
-        assert index.recent_continuation(state, 3) == latest_continuation(documents, pattern, depth, 3)
+        assert index.latest_continuation(state, 3) == brute_latest_continuation(documents, pattern, depth, 3)
 
 
 @settings(max_examples=150, deadline=None)
