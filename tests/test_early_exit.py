@@ -12,8 +12,8 @@ import torch
 from decoders import Pipeline
 from decoders.engine.sampling import SamplingConfig
 from decoders.engine.state import DecodeState
-from decoders.models.layered import LayeredDecoder, UnsupportedArchitectureError, check_layered_equivalence
 from decoders.models.cost import CostCurve
+from decoders.models.layered import LayeredDecoder, UnsupportedArchitectureError, check_layered_equivalence
 from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
 from proposers.early_exit import EarlyExitProposer, ExitHead, exit_artifact_dir
