@@ -218,6 +218,7 @@ class EarlyExitProposer(Proposer):
         self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
         self._draft_share = self._weights_share(target, exit_layer)  # SmolLM2-135M, exit 8: 0.42
         self._cut = False
+        self._token_seconds: float | None = None  # _seconds_per_token(), once the curve is read
 
     @property
     def sampled(self) -> bool:
@@ -293,8 +294,10 @@ class EarlyExitProposer(Proposer):
 
     def _seconds_per_token(self) -> float:
         """What drafting one token costs: T(1) times the share of a one-token pass's weights
-        it reads (layers [0, exit_layer) and the exit's LM head)."""
-        return self.context.cost_curve()(1) * self._draft_share
+        it reads (layers [0, exit_layer) and the exit's LM head); read once, not per round."""
+        if self._token_seconds is None:
+            self._token_seconds = self.context.cost_curve()(1) * self._draft_share
+        return self._token_seconds
 
     @staticmethod
     def _weights_share(target: torch.nn.Module, exit_layer: int) -> float:
