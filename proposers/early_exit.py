@@ -54,6 +54,7 @@ from decoders.engine.sampling import check_finite
 from decoders.models.layered import LayeredDecoder, check_layered_equivalence
 from decoders.models.session import ModelSession
 from decoders.sizing.draft_length import DraftLengthPolicy
+from decoders.sizing.search import PassSeconds
 
 EXIT_WEIGHTS = "exit.safetensors"
 EXIT_CONFIG = "exit_config.json"
@@ -218,7 +219,7 @@ class EarlyExitProposer(Proposer):
         self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
         self._draft_share = self._weights_share(target, exit_layer)  # SmolLM2-135M, exit 8: 0.42
         self._cut = False
-        self._token_seconds: float | None = None  # _seconds_per_token(), once the curve is read
+        self._pass_seconds = PassSeconds(context.cost_curve, 1)  # T(1), read when the curve changes
 
     @property
     def sampled(self) -> bool:
@@ -294,10 +295,8 @@ class EarlyExitProposer(Proposer):
 
     def _seconds_per_token(self) -> float:
         """What drafting one token costs: T(1) times the share of a one-token pass's weights
-        it reads (layers [0, exit_layer) and the exit's LM head); read once, not per round."""
-        if self._token_seconds is None:
-            self._token_seconds = self.context.cost_curve()(1) * self._draft_share
-        return self._token_seconds
+        it reads (layers [0, exit_layer) and the exit's LM head)."""
+        return self._pass_seconds()[0] * self._draft_share
 
     @staticmethod
     def _weights_share(target: torch.nn.Module, exit_layer: int) -> float:

@@ -5,11 +5,16 @@ its run but never cached. Timing is faked here: no assertion reads this machine'
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 
+from decoders import Pipeline
 from decoders.models import cost
 from decoders.models.cost import COST_CURVE_ENV, cached_cost_curve
+from decoders.models.loading import ModelConfig, load_model
+from decoders.sizing.draft_length import DraftLengthPolicy
+from tests.conftest import random_prompts
 
 
 class FakeClock:
@@ -55,3 +60,68 @@ def test_a_sweep_under_load_is_used_but_not_cached(tiny_model, tmp_path, measuri
     assert "not cached" in capsys.readouterr().err
     measuring(FakeClock())  # a quiet machine now, but this process keeps what it measured
     assert cached_cost_curve(model, "tiny", tmp_path) is curve
+
+
+# ---------------------------------------------------------------- the live curve
+
+
+def test_the_live_curve_takes_each_timed_widths_median_and_the_base_shape_between():
+    base = cost.CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0})
+    times = cost.PassTimes(base, window=8, min_samples=3, refresh=1)
+    for seconds in (2.0, 9.0, 2.0):  # a spike among width 1's passes: the median ignores it
+        times.record(1, seconds)
+    assert times.curve.seconds == {1: 2.0, 2: 2.0, 4: 2.0, 8: 4.0}  # one width timed: all scale with it
+    for _ in range(3):
+        times.record(4, 4.0)  # width 4 runs at 4x its base, width 1 at 2x
+    assert times.curve.seconds[4] == 4.0 and times.curve.seconds[1] == 2.0
+    assert times.curve.seconds[2] == pytest.approx(1.0 * (2.0 + (4.0 - 2.0) / 3))  # ratio interpolated
+    assert times.curve.seconds[8] == 8.0  # past the widest timed width: its ratio
+    assert times.base.seconds == {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0}  # the cached curve is not touched
+    assert times.describe() == {"sizes": [1, 4], "seconds": [2.0, 4.0], "passes": [3, 3], "total_passes": 6}
+
+
+def test_the_live_curve_changes_only_every_refresh_passes_and_with_enough_samples():
+    times = cost.PassTimes(cost.CostCurve({1: 1.0, 4: 1.0}), min_samples=4, refresh=4)
+    for _ in range(3):
+        times.record(1, 5.0)
+    assert times.curve.version == 0 and times.curve.seconds == {1: 1.0, 4: 1.0}
+    times.record(4, 5.0)  # a refresh, but no width has 4 samples yet
+    assert times.curve.version == 0
+    for _ in range(4):
+        times.record(1, 5.0)
+    assert times.curve.version == 1 and times.curve.seconds == {1: 5.0, 4: 5.0}
+
+
+def test_the_sizing_follows_the_live_curve():
+    """A chain drafted in full on the cached flat curve (every node of some value pays)
+    stops being drafted once the passes timed show that a pass over two tokens costs
+    three times one over one (PassSeconds re-reads the curve when it changes)."""
+    times = cost.PassTimes(cost.CostCurve({1: 1.0, 2: 1.0, 8: 1.0}), min_samples=1, refresh=1)
+    policy = DraftLengthPolicy(4, lambda: times.curve)
+    for _ in range(20):
+        policy.record("k", 4, 1)  # depth 1 accepted every time, depth 2 never
+    assert policy.choose("k", 4) == 4
+    times.record(1, 1.0)
+    times.record(2, 3.0)
+    assert policy.choose("k", 4) == 0
+
+
+def test_generation_times_its_passes_for_the_live_curve(measuring, tmp_path):
+    """With live cost on (the default) and no fixed curve, the proposer's sizing reads
+    the target's PassTimes, and every verification pass of every pipeline over the
+    target (the baseline's too) is recorded under its width; with it off, none is."""
+    measuring(FakeClock())  # the cached curve: every width 1.0 s
+    model, tokenizer = load_model(ModelConfig(name="tiny-random", dtype="float64", device="cpu"))
+    prompt = random_prompts(1, seed=3)[0]
+    off = Pipeline(model, tokenizer, {"name": "ngram"}, model_config=ModelConfig(name="tiny-random", live_cost=False))
+    off.context.cost_curve()
+    off.generate(prompt)
+    assert cost.pass_times(model) is None
+    speculative = Pipeline(model, tokenizer, {"name": "ngram"}, model_config=ModelConfig(name="tiny-random"))
+    assert speculative.context.cost_curve() is cost.pass_times(model).curve
+    result = speculative.generate(prompt, max_new_tokens=24)
+    baseline = speculative.with_components(None, None).generate(prompt, max_new_tokens=8)
+    widths = Counter(size + 1 for size in result.stats.draft_sizes)  # the pending token + the draft
+    widths[1] += baseline.stats.target_passes
+    recorded = {n: len(samples) for n, samples in cost.pass_times(model).samples.items()}
+    assert recorded == dict(widths) and baseline.stats.target_passes and max(widths) > 1

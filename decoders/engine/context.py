@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoders.models.cost import CostCurve, cached_cost_curve
+from decoders.models.cost import CostCurve, cached_cost_curve, fixed_by_environment, live_pass_times
 from decoders.models.loading import ModelConfig, cache_dir
 
 # Trained drafters of the default target, shipped as package data (only what differs
@@ -72,10 +72,14 @@ class PipelineContext:
 
     def cost_curve(self) -> CostCurve:
         """The target's T(n): the fixed curve if one was given, else from the shared
-        cache (measured there on first use)."""
+        cache (measured there on first use), followed live by the passes the decode
+        loop times (``model.live_cost``; :class:`decoders.models.cost.PassTimes`)."""
         if self.fixed_cost_curve is not None:
             return self.fixed_cost_curve
-        return cached_cost_curve(self.target, self.target_key, self.cost_cache_dir)
+        curve = cached_cost_curve(self.target, self.target_key, self.cost_cache_dir)
+        if not self.model_config.live_cost or fixed_by_environment():
+            return curve
+        return live_pass_times(self.target, curve).curve
 
 
 def artifact_source(directory: Path) -> dict:

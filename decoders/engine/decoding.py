@@ -25,6 +25,7 @@ from decoders.engine.registry import build, verifier_registry
 from decoders.engine.sampling import SamplingConfig, check_finite, next_token
 from decoders.engine.state import DecodeState
 from decoders.engine.verifier import Verifier
+from decoders.models.cost import pass_times
 from decoders.models.session import ModelSession
 
 
@@ -166,6 +167,8 @@ def decode(
             state.session = target
         proposer.begin(state)
 
+    # A live cost curve learns from the passes; not from those that reuse drafting work.
+    timing = pass_times(target.model) if proposer is None or not proposer.drafts_in_target else None
     while not done:
         tick = time.perf_counter()
         proposed = Draft.empty() if proposer is None else proposer.propose(state)
@@ -199,6 +202,8 @@ def decode(
         stats.emitted_per_round.append(len(new))
         stats.verify_time += verified - tock
         stats.draft_time += tock - tick
+        if timing is not None:
+            timing.record(len(block), verified - tock)
         if on_tokens:
             on_tokens(new)
         if proposer is not None and not done:

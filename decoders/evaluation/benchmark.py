@@ -35,7 +35,7 @@ from decoders.evaluation.peers import make_peers
 from decoders.evaluation.plots import bench_plots
 from decoders.evaluation.tracking import log_benchmark
 from decoders.evaluation.workloads import Prompt, load_workload, workload_config
-from decoders.models.cost import CostCurve, cached_cost_curve
+from decoders.models.cost import CostCurve, cached_cost_curve, pass_times
 from decoders.models.kernels import configure_passes, exact_passes, routes_narrow_linears
 from decoders.models.loading import load_model
 from decoders.models.machine import machine_info, machine_line
@@ -256,6 +256,7 @@ def results_payload(
         "turns": cfg.workload.turns,
         "cost_curve": curves["standard"],
         "cost_curve_exact_off": curves.get(f"standard{EXACT_OFF}"),
+        "pass_times": timed.describe() if (timed := pass_times(base.model)) else None,
         "config": OmegaConf.to_container(cfg, resolve=True),
         "pipelines": pipelines,
     }

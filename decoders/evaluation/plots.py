@@ -88,7 +88,13 @@ def cost_curve(payload: dict, path: Path) -> Path:
     one = seconds[sizes.index(1)] if 1 in sizes else seconds[0]
     figure = Figure(figsize=(6.0, 4.0))
     axes = figure.subplots()
-    axes.plot(sizes, [s / one for s in seconds], marker="o", label="measured")
+    axes.plot(sizes, [s / one for s in seconds], marker="o", label="measured (fastest of repeats)")
+    timed = payload.get("pass_times")
+    if timed and 1 in timed["sizes"]:  # the decode's own passes, median per width
+        live_one = timed["seconds"][timed["sizes"].index(1)]
+        axes.plot(
+            timed["sizes"], [s / live_one for s in timed["seconds"]], marker="x", label="timed while decoding (median)"
+        )
     axes.plot(sizes, [1.0] * len(sizes), **STANDARD_LINE, label="free width (T(n) = T(1))")
     axes.set_xlabel("tokens in one target pass (n)")
     axes.set_ylabel("T(n) / T(1)")

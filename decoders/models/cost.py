@@ -8,14 +8,23 @@ cache's format, ``{"seconds": {"1": ..., "2": ...}}``) replaces the measurement
 everywhere: tests use it so that no decision depends on the machine running
 them, and a user can replay another machine's curve. With tau and the draft cost D per round it gives a
 pipeline's physical limit: ideal speedup = tau * T(1) / (T(n) + D).
+
+The measured curve is the fastest of a few repeats on a quiet moment; the passes
+a decode makes run where the machine is, at other contexts, with the verdict and
+the KV commit around them. :class:`PassTimes` (``model.live_cost``, on unless a
+fixed curve is given) closes that gap: the decode loop times every verification
+pass, and the sizing reads a curve that follows the median of the recent passes
+of each width, the cached curve's shape filling the widths not yet seen.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +59,7 @@ class CostCurve:
 
     seconds: dict[int, float]
     disturbance: float = 1.0  # worst median / fastest repeat of the sweep that measured it
+    version: int = 0  # bumped when the seconds change in place (PassTimes), so readers refresh
 
     def __call__(self, n: float) -> float:
         sizes = sorted(self.seconds)
@@ -165,3 +175,91 @@ def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> Cost
         json.dumps({"key": key, "device": device, "dtype": dtype, "seconds": curve.seconds}, indent=1)
     )
     return curve
+
+
+class PassTimes:
+    """The verification passes the decode loop timed, and the curve they imply.
+
+    ``curve`` is one :class:`CostCurve` object, updated in place (its ``version``
+    bumped) every ``refresh`` passes: a width with ``min_samples`` passes among its
+    last ``window`` takes their median seconds; any other width of ``base`` takes
+    its base seconds times the ratio measured/base of the nearest measured widths
+    (interpolated between them), so a width the sizing has not tried yet keeps the
+    base curve's shape at the level the machine runs at now.
+    """
+
+    def __init__(self, base: CostCurve, window: int = 32, min_samples: int = 4, refresh: int = 8) -> None:
+        self.base = base
+        self.curve = CostCurve(dict(base.seconds), base.disturbance)
+        self.window, self.min_samples, self.refresh = window, min_samples, refresh
+        self.samples: dict[int, deque[float]] = {}
+        self.passes = 0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """One pass over ``tokens`` new tokens took ``seconds``."""
+        self.samples.setdefault(tokens, deque(maxlen=self.window)).append(seconds)
+        self.passes += 1
+        if self.passes % self.refresh == 0:
+            self._update()
+
+    def measured(self) -> dict[int, float]:
+        """Median seconds of each width timed often enough to be trusted."""
+        return {
+            n: statistics.median(times) for n, times in sorted(self.samples.items()) if len(times) >= self.min_samples
+        }
+
+    def _update(self) -> None:
+        measured = self.measured()
+        if not measured:
+            return
+        widths = sorted(measured)
+        ratios = [measured[n] / self.base(n) for n in widths]
+
+        def ratio(n: int) -> float:
+            if n <= widths[0]:
+                return ratios[0]
+            if n >= widths[-1]:
+                return ratios[-1]
+            right = next(i for i, w in enumerate(widths) if w >= n)
+            a, b = widths[right - 1], widths[right]
+            return ratios[right - 1] + (ratios[right] - ratios[right - 1]) * (n - a) / (b - a)
+
+        sizes = sorted(set(self.base.seconds) | set(measured))
+        self.curve.seconds = {n: measured.get(n, self.base(n) * ratio(n)) for n in sizes}
+        self.curve.version += 1
+
+    def describe(self) -> dict:
+        """For results files: the widths timed, their median seconds and pass counts."""
+        measured = self.measured()
+        return {
+            "sizes": list(measured),
+            "seconds": list(measured.values()),
+            "passes": [len(self.samples[n]) for n in measured],
+            "total_passes": self.passes,
+        }
+
+
+_PASS_TIMES = "_specdec_pass_times"  # the attribute of a target that carries its PassTimes
+
+
+def live_pass_times(model: torch.nn.Module, base: CostCurve) -> PassTimes:
+    """The target's PassTimes in its current pass mode (one per loaded model and
+    mode, so every pipeline over it, the baseline included, adds its passes),
+    started from ``base`` on first use."""
+    by_mode = model.__dict__.setdefault(_PASS_TIMES, {})
+    mode = exact_passes(model)
+    if mode not in by_mode:
+        by_mode[mode] = PassTimes(base)
+    return by_mode[mode]
+
+
+def pass_times(model: torch.nn.Module) -> PassTimes | None:
+    """The target's PassTimes in its current pass mode if a pipeline over it follows
+    its live cost, else None."""
+    by_mode = model.__dict__.get(_PASS_TIMES)
+    return by_mode.get(exact_passes(model)) if by_mode else None
+
+
+def fixed_by_environment() -> bool:
+    """Whether ``SPECDEC_COST_CURVE`` replaces the measured curve (then nothing is timed live)."""
+    return bool(os.environ.get(COST_CURVE_ENV))

@@ -44,6 +44,9 @@ class ModelConfig:
         decoding exactly, not only up to floating-point ties (exact attention,
         exact linear routes; see :func:`decoders.models.kernels.wants_exact` for where
         ``auto`` turns it on). Announced at load time with a check on the model.
+    live_cost: the sizing's T(n) follows the verification passes timed while decoding
+        (:class:`decoders.models.cost.PassTimes`), not only the cached measurement;
+        off wherever a fixed curve is given (``SPECDEC_COST_CURVE``, tests).
     """
 
     name: str = "smollm2-135m"
@@ -53,6 +56,7 @@ class ModelConfig:
     device_map: str | None = None  # e.g. auto, for models larger than one GPU
     narrow_passes: Any = "auto"  # auto, true or false (a string or a bool: Any)
     exact: Any = "auto"  # auto, true or false
+    live_cost: bool = True
     # tiny-random only
     vocab_size: int = 320
     hidden_size: int = 64

@@ -73,16 +73,23 @@ def survival(rates: list[float]) -> list[float]:
 
 class PassSeconds:
     """T(1) .. T(max_tokens), non-decreasing, read from the target's cost curve on first
-    use (so a curve that still has to be measured is measured only when needed)."""
+    use (so a curve that still has to be measured is measured only when needed) and
+    again whenever the curve's ``version`` changes (a live curve,
+    :class:`decoders.models.cost.PassTimes`)."""
 
     def __init__(self, target_cost: Callable[[], CostCurve], max_tokens: int) -> None:
         self._target_cost = target_cost
         self.max_tokens = max_tokens
         self._seconds: list[float] | None = None
+        self._curve: CostCurve | None = None
+        self._version = -1
 
     def __call__(self) -> list[float]:
-        if self._seconds is None:
-            self._seconds = self._target_cost().non_decreasing(self.max_tokens)
+        if self._curve is None:
+            self._curve = self._target_cost()
+        if self._seconds is None or self._curve.version != self._version:
+            self._version = self._curve.version
+            self._seconds = self._curve.non_decreasing(self.max_tokens)
         return self._seconds
 
 
