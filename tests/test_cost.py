@@ -113,7 +113,9 @@ def test_generation_times_its_passes_for_the_live_curve(measuring, tmp_path):
     measuring(FakeClock())  # the cached curve: every width 1.0 s
     model, tokenizer = load_model(ModelConfig(name="tiny-random", dtype="float64", device="cpu"))
     prompt = random_prompts(1, seed=3)[0]
-    off = Pipeline(model, tokenizer, {"name": "ngram"}, model_config=ModelConfig(name="tiny-random", live_cost=False))
+    off = Pipeline(
+        model, tokenizer, {"name": "ngram"}, model_config=ModelConfig(name="tiny-random", live_cost=False)
+    )
     off.context.cost_curve()
     off.generate(prompt)
     assert cost.pass_times(model) is None

@@ -157,7 +157,9 @@ def test_the_exit_stops_drafting_where_no_draft_can_pay(deep_model, deep_config,
     whole = early_exit(base, exit_layer=NUM_LAYERS, k=3)
     layer_runs = []
     run = LayeredDecoder.run
-    monkeypatch.setattr(LayeredDecoder, "run", lambda self, *args: layer_runs.append(args[1:]) or run(self, *args))
+    monkeypatch.setattr(
+        LayeredDecoder, "run", lambda self, *args: layer_runs.append(args[1:]) or run(self, *args)
+    )
     propose = whole.proposer.propose
     drafts = []  # (draft size, layer runs while drafting) per round
 

@@ -57,7 +57,9 @@ def next_tokens(documents: list[list[int]], pattern: list[int]) -> Counter:
     )
 
 
-def brute_latest_continuation(documents: list[list[int]], pattern: list[int], depth: int, limit: int) -> list[int]:
+def brute_latest_continuation(
+    documents: list[list[int]], pattern: list[int], depth: int, limit: int
+) -> list[int]:
     """Up to ``limit`` tokens after the latest occurrence of ``pattern`` that continued
     (none for a string of the index's full depth, whose continuations are not kept)."""
     n = len(pattern)

@@ -93,7 +93,10 @@ def cost_curve(payload: dict, path: Path) -> Path:
     if timed and 1 in timed["sizes"]:  # the decode's own passes, median per width
         live_one = timed["seconds"][timed["sizes"].index(1)]
         axes.plot(
-            timed["sizes"], [s / live_one for s in timed["seconds"]], marker="x", label="timed while decoding (median)"
+            timed["sizes"],
+            [s / live_one for s in timed["seconds"]],
+            marker="x",
+            label="timed while decoding (median)",
         )
     axes.plot(sizes, [1.0] * len(sizes), **STANDARD_LINE, label="free width (T(n) = T(1))")
     axes.set_xlabel("tokens in one target pass (n)")

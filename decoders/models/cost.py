@@ -205,7 +205,9 @@ class PassTimes:
     def measured(self) -> dict[int, float]:
         """Median seconds of each width timed often enough to be trusted."""
         return {
-            n: statistics.median(times) for n, times in sorted(self.samples.items()) if len(times) >= self.min_samples
+            n: statistics.median(times)
+            for n, times in sorted(self.samples.items())
+            if len(times) >= self.min_samples
         }
 
     def _update(self) -> None:
