@@ -24,7 +24,7 @@ def test_routed_linear_computes_the_same_product(rows, bias):
 def test_padding_widths():
     from decoders.models.kernels import padded_rows
 
-    assert [padded_rows(n) for n in range(1, 11)] == [1, 2, 4, 4, 5, 8, 8, 8, 16, 16]
+    assert [padded_rows(n) for n in range(1, 11)] == [2, 2, 4, 4, 5, 8, 8, 8, 16, 16]
     assert padded_rows(17) == 24 and padded_rows(48) == 48
 
 

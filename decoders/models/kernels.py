@@ -9,11 +9,15 @@ same product as ``(W @ x.T).T`` reads each weight once (the measured passes are
 in README.md, "Why a verification pass is cheap here").
 
 :func:`route_narrow_linears` switches every ``nn.Linear`` of a model to that
-form for passes of 2 to ``max_rows`` rows and leaves single-token passes (the
-baseline's decode step) and wide ones (prefill) on the default route. It
-changes no weights, only the order of the floating-point sums, and it changes
-the module itself, so every decoder that runs the model (standard decoding,
-the speculative loop, transformers' ``generate`` in the peers) gets it.
+form for passes of 1 to ``max_rows`` rows and leaves wide ones (prefill) on the
+default route. Single rows (standard decoding's step) are computed over two
+columns, the second zero: on the CPU measured, MKL's one-row route made a
+whole SmolLM2-135M float32 pass cost 76 ms (median) where the two-column
+product costs 52 ms, so leaving them would have slowed the baseline, not only
+the drafts. It changes no weights, only the order of the floating-point sums,
+and it changes the module itself, so every decoder that runs the model
+(standard decoding, the speculative loop, transformers' ``generate`` in the
+peers) gets it.
 
 Exact mode (:func:`configure_passes` with ``exact``; ``model.exact``) routes every
 pass, single rows included, so that a row's product does not depend on how many
@@ -34,7 +38,7 @@ EXACT_BLOCK = 8  # exact narrow route: columns per product (see exact_blocks)
 def narrow_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     exact = self._exact_rows
-    plain = not exact and (rows < 2 or not self._narrow_transposed)
+    plain = not exact and not self._narrow_transposed
     if plain or not rows or rows > self._narrow_max_rows or x.device.type != "cpu":
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
@@ -57,8 +61,13 @@ def _zero_padded(flat: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _transposed_product(weight: torch.Tensor, flat: torch.Tensor, width: int) -> torch.Tensor:
-    """``flat @ weight.T`` computed as ``(weight @ flat.T).T`` over ``width`` columns."""
-    return torch.matmul(weight, _zero_padded(flat, width).T).T[: flat.shape[0]]
+    """``flat @ weight.T`` computed as ``(weight @ flat.T).T`` over ``width`` columns.
+
+    ``flat`` is made row-major first: this product's own output is a transposed view,
+    and elementwise ops keep that layout (the MLP's ``act(gate) * up``), but MKL's
+    product over a column-major ``flat.T`` took 5x as long (506 against 94 us for
+    SmolLM2-135M's down projection over 2 rows, float32)."""
+    return torch.matmul(weight, _zero_padded(flat, width).contiguous().T).T[: flat.shape[0]]
 
 
 def padded_rows(rows: int) -> int:
@@ -66,7 +75,10 @@ def padded_rows(rows: int) -> int:
     vectorises whole (4, then multiples of 8) than on the odd widths between, so
     those are padded with zero rows; 5 rows stay as they are (the SmolLM2-135M
     float32 passes behind this are in README.md, "Why a verification pass is cheap here").
+    A single row takes two columns (see the module's docstring).
     """
+    if rows <= 1:
+        return 2
     if rows == 3:
         return 4
     if rows <= 5:
@@ -103,8 +115,8 @@ def route_narrow_linears(
     """Route the passes of up to ``max_rows`` rows of every ``nn.Linear`` in ``model``;
     returns how many layers were routed.
 
-    transposed: the narrow route, ``(W @ x.T).T`` for 2 rows or more (single rows
-        keep ``F.linear``). Off: ``F.linear`` (only useful with ``exact``).
+    transposed: the narrow route, ``(W @ x.T).T`` (a single row over two columns).
+        Off: ``F.linear`` (only useful with ``exact``).
     exact: make each row's product independent of how many rows share the call,
         single rows included (:func:`exact_blocks` on the narrow route,
         :func:`exact_linear_rows` on the default one).
