@@ -121,6 +121,11 @@ def measure_cost_curve(
     return curve
 
 
+# Bumped when the pass routing (decoders/models/kernels.py) changes what a pass costs,
+# so that curves cached under older kernels are measured again. 2: single rows on the
+# narrow route, its products over row-major inputs.
+KERNELS_VERSION = 2
+
 DISTURBED = 1.25  # a sweep whose median pass took this much longer than its fastest is not cached
 
 
@@ -154,7 +159,7 @@ def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> Cost
     device = parameter.device.type
     dtype = str(parameter.dtype).removeprefix("torch.")
     mode = "-exact" if exact_passes(model) else ""
-    path = cache_dir / f"{key}-{device}-{dtype}{mode}.json"
+    path = cache_dir / f"{key}-{device}-{dtype}{mode}-k{KERNELS_VERSION}.json"
     if path.exists():
         return read_cost_curve(path)
     if path in _UNCACHED:  # measured under load earlier in this process: not measured again
