@@ -168,7 +168,7 @@ def decode(
         proposer.begin(state)
 
     # A live cost curve learns from the passes; not from those that reuse drafting work.
-    timing = pass_times(target.model) if proposer is None or not proposer.drafts_in_target else None
+    timed = proposer is None or not proposer.drafts_in_target
     while not done:
         tick = time.perf_counter()
         proposed = Draft.empty() if proposer is None else proposer.propose(state)
@@ -202,7 +202,7 @@ def decode(
         stats.emitted_per_round.append(len(new))
         stats.verify_time += verified - tock
         stats.draft_time += tock - tick
-        if timing is not None:
+        if timed and (timing := pass_times(target.model)) is not None:  # started by the first sizer to read T(n)
             timing.record(len(block), verified - tock)
         if on_tokens:
             on_tokens(new)
