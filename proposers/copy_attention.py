@@ -129,6 +129,47 @@ def mixture(
     return probs
 
 
+def drafting_log_probs(
+    attention: CopyAttention,
+    k: int,
+    state: torch.Tensor,
+    embedded: torch.Tensor,
+    head_logits: torch.Tensor,
+    memory: ContextMemory,
+) -> torch.Tensor:
+    """Drafting with a pointer: state, embedded (B, hidden) the queries (see
+    :meth:`CopyAttention.point`), head_logits (B, n) the drafter's own over the draft
+    vocabulary -> (B, rows) log-probabilities of the mixture over ``memory``'s rows
+    (the draft vocabulary, then the context's other tokens)."""
+    weights, gate = attention.point(k, state, embedded, memory.keys, memory.values)
+    probs = mixture(
+        torch.softmax(head_logits.float(), -1),
+        weights.float(),
+        gate.float(),
+        memory.following_rows,
+        memory.rows,
+    )
+    return probs.log().clamp(min=torch.finfo(torch.float32).min)
+
+
+def label_probability(
+    head_logits: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    gate: torch.Tensor,
+    following: torch.Tensor,
+    labels: torch.Tensor,
+) -> torch.Tensor:
+    """Training: the mixture's probability of each label. head_logits (..., n) over the
+    draft vocabulary, rows (...) each label's row there (< 0: outside it, or no label),
+    weights (..., L) the pointer's, gate (...), following (..., L) (or broadcastable) the
+    x_(j+1) token ids, labels (...) token ids -> (...)."""
+    head = torch.log_softmax(head_logits, -1).gather(-1, rows.clamp(min=0)[..., None])[..., 0].exp()
+    head = head * (rows >= 0)
+    copied = (weights * (following == labels[..., None])).sum(-1)
+    return gate * head + (1 - gate) * copied
+
+
 class ContextMemory:
     """One request's keys, values and x_(j+1), grown as positions are committed, and
     the rows copy heads draft over.

@@ -1,6 +1,8 @@
 """The eagle proposer: drafting equals the training-time test's forward, greedy identity
 (chains, dynamic trees, merged with prompt lookup), the target's distribution at T=1,
-and the train -> save -> load -> propose round trip, on a drafter trained for the tiny model."""
+and the train -> save -> load -> propose round trip, on drafters trained for the tiny model:
+EAGLE-3's features with a pointer into the context (the default), the last layer alone,
+and no pointer."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from proposers.eagle.drafter import LayerTap, resolve_layers, target_features
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
 from tests.test_train import compose_train
-from train.eagle import Config, padded, unrolled
+from train.eagle import Config, padded, ranked, unrolled
 from train.job import run
 
 TINY_EAGLE = [
@@ -36,6 +38,7 @@ TINY_EAGLE = [
     "drafter.lora_rank=4",
     "drafter.epochs=3",
     "drafter.lr=0.01",
+    "drafter.copy_width=16",
 ]
 
 
@@ -43,12 +46,19 @@ def train_tiny_eagle(artifacts_dir, extra: tuple[str, ...] = ()):
     return run(compose_train(TINY_EAGLE + [f"artifacts_dir={artifacts_dir}", *extra]))
 
 
-@pytest.fixture(scope="module", params=["eagle3", "last"])
+VARIANTS = {
+    "eagle3+pointer": (),
+    "last+pointer": ("drafter.feature_layers=[-1]",),
+    "eagle3": ("drafter.copy_width=0",),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def artifacts(request, tmp_path_factory):
-    """Drafters trained for the tiny model: EAGLE-3's layers (the default) and the last one alone."""
+    """Drafters trained for the tiny model: EAGLE-3's layers with a pointer (the default),
+    the last layer alone with a pointer, and EAGLE-3's layers without one."""
     directory = tmp_path_factory.mktemp("eagle")
-    extra = () if request.param == "eagle3" else ("drafter.feature_layers=[-1]",)
-    train_tiny_eagle(directory, extra)
+    train_tiny_eagle(directory, VARIANTS[request.param])
     return directory
 
 
@@ -108,9 +118,9 @@ def test_drafts_follow_the_training_time_test_forward(base):
     rows = padded(data, [0], drafter.device)
     m = len(prompt)  # the pending token's position; the committed prefix ends at m - 1
     with torch.no_grad():
-        for k, _, logits in unrolled(drafter, rows, 3):
-            row = logits[0, m - 1 + k]  # (n,) depth k of the path from prefix m - 1
-            assert int(drafter.vocabulary.token_ids[row.argmax()]) == draft.tokens[k]
+        for k, _, logits, pointer in unrolled(drafter, rows, 3):
+            top = ranked(drafter, logits, pointer, rows["tokens"][:, 1:], 1)  # (1, T, 1)
+            assert int(top[0, m - 1 + k, 0]) == draft.tokens[k]  # depth k of the path from prefix m - 1
 
 
 LOSSLESS = [v for v in verifier_registry.names() if verifier_registry.get(v).lossless]
@@ -165,7 +175,9 @@ def test_sampled_chains_carry_the_drafters_distribution(base):
     torch.testing.assert_close(draft.draft_probs.sum(-1), torch.ones(4, dtype=draft.draft_probs.dtype))
     outside = torch.ones(base.model.config.vocab_size, dtype=torch.bool)
     outside[proposer.drafter.vocabulary.token_ids] = False
-    assert float(draft.draft_probs[:, outside].sum()) == 0.0  # q is 0 outside the draft vocabulary
+    if proposer.drafter.copy is not None:  # the pointer reaches the context's tokens too
+        outside[torch.tensor(state.tokens)] = False
+    assert float(draft.draft_probs[:, outside].sum()) == 0.0  # q is 0 off the drafter's support
     assert all(float(draft.draft_probs[i, t]) > 0 for i, t in enumerate(draft.tokens))
 
 
@@ -184,6 +196,7 @@ def test_training_round_trip(artifacts, tiny_model):
     names = load_file(str(directory / "adapter" / "adapter_model.safetensors"))
     assert any("lora_A" in n for n in names) and any("fuse" in n for n in names)
     assert not any("lm_head" in n or "embed" in n for n in names)  # the target's weights are not stored
+    assert any(".copy." in n for n in names) == bool(meta["copy_width"])  # the pointer, trained in full
     drafter = load_artifact(directory, model).drafter
     assert drafter.dtype == torch.float64 and not any(p.requires_grad for p in drafter.parameters())
 
@@ -237,6 +250,6 @@ def test_dynamic_tree_nodes_are_their_parents_top_children(base):
             {"tokens": [sequence], "prompt_len": [len(prompt)], "features": [features]}, [0], drafter.device
         )
         with torch.no_grad():
-            logits = [step_logits for k, _, step_logits in unrolled(drafter, rows, len(path) + 1)][-1]
-        top = drafter.vocabulary.token_ids[logits[0, m - 1 + len(path)].topk(3).indices].tolist()
+            *_, logits, pointer = list(unrolled(drafter, rows, len(path) + 1))[-1]
+        top = ranked(drafter, logits, pointer, rows["tokens"][:, 1:], 3)[0, m - 1 + len(path)].tolist()
         assert draft.tokens[node] in top

@@ -18,6 +18,12 @@ draft cache holds at inference. Steps run one after another through one KV cache
 holding every step's keys; the loss is sum_k ``step_decay``^k * cross-entropy_k
 over the draft vocabulary, on labels that are response tokens (the target's own).
 
+With a pointer (``copy_width`` > 0, :mod:`proposers.copy_attention`), step k at
+position t also points at the committed positions j <= t - k (keys and values from
+the target's highest feature and the tokens there), and its loss is that of the
+mixture of the layer's distribution and the pointer's, labels outside the draft
+vocabulary included (the pointer can give them).
+
 Measured after training on held-out sequences (and ``train.eval.path`` prompts):
 per depth k, the top-1 accuracy of step k teacher-forced on the tokens (the
 draft's own features, as a chain that is still right has them), the accuracy
@@ -40,8 +46,9 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from decoders.models.session import ModelSession
+from proposers.copy_attention import label_probability, mixture
 from proposers.draft_model import DraftVocabulary, save_draft_vocab
-from proposers.eagle.artifact import CONFIG_FILE, FULL_MODULES, LORA_TARGETS, load_artifact, save_artifact
+from proposers.eagle.artifact import CONFIG_FILE, LORA_TARGETS, full_modules, load_artifact, save_artifact
 from proposers.eagle.drafter import EagleDrafter, LayerTap, resolve_layers, target_features
 from train import checkpoints
 from train.data import Sequence, split_heldout
@@ -68,7 +75,10 @@ class Config(FitConfig):
     ttt_steps: int = 3  # training-time test: unrolled steps (1 = features from the target only)
     step_decay: float = 0.8  # loss weight of step k: step_decay ** k
     feature_noise: float = 0.1  # uniform input-feature noise, times each feature's RMS
-    max_length: int = 512  # tokens per sequence (longer ones are cut)
+    # the pointer into the context (proposers/copy_attention.py): its width, 0 = none;
+    # one query, scale and gate per training-time-test step
+    copy_width: int = 128
+    max_length: int = 2048  # tokens per sequence (longer ones are cut)
     eval_depth: int = 4  # steps measured after training (the chain length)
     eval_batch_size: int = 8  # sequences per evaluation batch
     batch_size: int = 8  # sequences per optimizer step
@@ -131,6 +141,8 @@ def train(job: TrainJob) -> Path:
         "target": job.pipeline.context.target_key,
         "feature_layers": layers,
         "init_layer": drafter.init_layer,
+        "copy_width": cfg.copy_width,
+        "copy_depths": cfg.ttt_steps,
         "num_target_layers": num_layers,
         "hidden_size": drafter.lm_head.in_features,
         "vocab_size": vocab_size,
@@ -154,13 +166,13 @@ def build_drafter(
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are random
-    drafter = EagleDrafter(target, layers, cfg.init_layer, vocabulary).float()
+    drafter = EagleDrafter(target, layers, cfg.init_layer, vocabulary, cfg.copy_width, cfg.ttt_steps).float()
     lora = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=LORA_TARGETS,
-        modules_to_save=FULL_MODULES,
+        modules_to_save=full_modules(cfg.copy_width),
         bias="none",
     )
     return drafter, get_peft_model(drafter, lora)
@@ -237,10 +249,12 @@ def padded(data: dict, index: list[int], device: torch.device) -> dict[str, torc
 
 
 def unrolled(drafter: EagleDrafter, batch: dict[str, torch.Tensor], steps: int, noise: float = 0.0):
-    """The training-time test: yields (step k, its outputs y_k (B, T, hidden), logits (B, T, n))."""
+    """The training-time test: yields (step k, its outputs y_k (B, T, hidden), logits (B, T, n),
+    pointer): with a pointer, its (weights (B, T, T) over positions j, gate (B, T)), else None."""
     features, tokens, valid = batch["features"], batch["tokens"], batch["valid"]
     batch_size, width, _ = features.shape
     dtype, device = drafter.dtype, drafter.device
+    clean = features
     if noise:
         blocks = features.view(batch_size, width, len(drafter.feature_layers), -1)
         rms = blocks.pow(2).mean(-1, keepdim=True).sqrt()
@@ -250,10 +264,16 @@ def unrolled(drafter: EagleDrafter, batch: dict[str, torch.Tensor], steps: int, 
     cache = DynamicCache(config=drafter.config)
     previous = drafter.fuse(features.to(dtype))  # (B, T, hidden) step 0 reads the target's features
     lowest = torch.finfo(dtype).min
+    query, key = positions[:, None], positions[None, :]  # (T, 1), (1, T)
+    entries = None
+    if drafter.copy is not None:  # position j: key from (h_(j-1), x_j), value from (h_j, x_(j+1))
+        hidden = clean[..., -previous.shape[-1] :].to(dtype)  # (B, T, hidden) the highest feature
+        before = torch.cat([hidden.new_zeros(batch_size, 1, hidden.shape[-1]), hidden[:, :-1]], 1)
+        following_embedded = drafter.embed(following)
+        entries = drafter.copy.entries(before, drafter.embed(tokens[:, :width]), hidden, following_embedded)
     for k in range(steps):
         if k:
             previous = torch.cat([previous.new_zeros(batch_size, 1, previous.shape[-1]), previous[:, :-1]], 1)
-        query, key = positions[:, None], positions[None, :]  # (T, 1), (1, T)
         blocks = [(key <= query - k)[None] & valid[:, None, :]]  # step 0's keys: the committed prefix
         blocks += [(key == query - k + j).expand(batch_size, -1, -1) for j in range(1, k + 1)]
         allowed = torch.cat(blocks, dim=-1)  # (B, T, (k + 1) T)
@@ -261,6 +281,12 @@ def unrolled(drafter: EagleDrafter, batch: dict[str, torch.Tensor], steps: int, 
             width, dtype=torch.bool, device=device
         )  # every row sees itself
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, lowest)
+        pointer = None
+        if entries is not None:  # the committed positions j <= t - k, as the draft's memory holds
+            weights, gate = drafter.copy.point(
+                drafter.copy_slot(k), previous, following_embedded, *entries, blocks[0]
+            )
+            pointer = (weights, gate[..., 0])
         outputs = drafter.decoder(
             inputs_embeds=drafter.inputs(previous, following),
             attention_mask=mask[:, None],
@@ -268,7 +294,7 @@ def unrolled(drafter: EagleDrafter, batch: dict[str, torch.Tensor], steps: int, 
             cache=cache,
             use_cache=True,
         ).last_hidden_state  # (B, T, hidden)
-        yield k, outputs, drafter.lm_head(outputs)
+        yield k, outputs, drafter.lm_head(outputs), pointer
         previous = outputs
 
 
@@ -282,21 +308,31 @@ def ttt_loss(drafter: EagleDrafter, data: dict, cfg: Config):
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         sums: list[torch.Tensor | float] = [0.0] * steps  # summed cross-entropy per step
-        counts, hits = torch.zeros(steps), torch.zeros(steps)
+        counts, hits = torch.zeros(steps), torch.zeros(steps)  # hits: top-1, or the mixture's p(label)
         for index in batch["index"].tolist():
             rows = padded(data, [index], drafter.device)
-            targets = vocab_index(rows["labels"], token_ids, vocab_size).to(drafter.device)  # (1, T)
-            for k, _, logits in unrolled(drafter, rows, steps, cfg.feature_noise):
+            labels = rows["labels"].to(drafter.device)  # (1, T) token ids
+            targets = vocab_index(rows["labels"], token_ids, vocab_size).to(drafter.device)  # (1, T) rows
+            for k, _, logits, pointer in unrolled(drafter, rows, steps, cfg.feature_noise):
                 step_targets = targets.clone()
                 step_targets[:, :k] = IGNORE  # rows before position k have no step-k path
-                sums[k] = sums[k] + nn.functional.cross_entropy(
-                    logits.transpose(1, 2), step_targets, ignore_index=IGNORE, reduction="sum"
-                )
-                present = step_targets != IGNORE
+                if pointer is None:
+                    sums[k] = sums[k] + nn.functional.cross_entropy(
+                        logits.transpose(1, 2), step_targets, ignore_index=IGNORE, reduction="sum"
+                    )
+                    present = step_targets != IGNORE
+                    hits[k] += float(((logits.argmax(-1) == step_targets) & present).sum())
+                else:  # the mixture's probability of the label, which may lie outside the draft vocabulary
+                    present = labels != IGNORE
+                    present[:, :k] = False
+                    following = rows["tokens"][:, 1:][:, None, :]  # (1, 1, T) the x_(j+1)
+                    probs = label_probability(logits, step_targets, *pointer, following, labels)  # (1, T)
+                    sums[k] = sums[k] - (probs.clamp(min=1e-9).log() * present).sum()
+                    hits[k] += float((probs.detach() * present).sum())
                 counts[k] += float(present.sum())
-                hits[k] += float(((logits.argmax(-1) == step_targets) & present).sum())
         total = sum(cfg.step_decay**k * sums[k] / max(float(counts[k]), 1.0) for k in range(steps))
-        metrics = {f"top1/step{k}": float(hits[k] / counts[k].clamp(min=1)) for k in range(steps)}
+        name = "top1" if drafter.copy is None else "p_label"
+        metrics = {f"{name}/step{k}": float(hits[k] / counts[k].clamp(min=1)) for k in range(steps)}
         return total, metrics
 
     return loss_fn
@@ -332,7 +368,6 @@ def evaluate(drafter: EagleDrafter, data: dict, cfg: Config) -> dict:
     """Per depth k: top1 (step k teacher-forced on the tokens), conditional top1 (given
     depths 0..k-1 right), top5; chain_tau of a greedy chain of ``eval_depth`` tokens."""
     depth = cfg.eval_depth
-    token_ids = drafter.vocabulary.token_ids.to(drafter.device)
     hits = torch.zeros(depth)
     hits5 = torch.zeros(depth)
     counts = torch.zeros(depth)
@@ -346,8 +381,8 @@ def evaluate(drafter: EagleDrafter, data: dict, cfg: Config) -> dict:
         labels = rows["labels"].to(drafter.device)  # (B, T) token ids
         width = labels.shape[1]
         correct = torch.zeros(depth, *labels.shape, dtype=torch.bool, device=drafter.device)
-        for k, _, logits in unrolled(drafter, rows, depth):
-            top = token_ids[logits.topk(5, dim=-1).indices]  # (B, T, 5)
+        for k, _, logits, pointer in unrolled(drafter, rows, depth):
+            top = ranked(drafter, logits, pointer, rows["tokens"][:, 1:], 5)  # (B, T, 5) token ids
             present = labels != IGNORE
             present[:, :k] = False
             correct[k] = (top[..., 0] == labels) & present
@@ -376,6 +411,31 @@ def evaluate(drafter: EagleDrafter, data: dict, cfg: Config) -> dict:
         "conditional_top1": [round(float(a), 4) for a in conditional],
         "chain_tau": round(1 + accepted / max(paths, 1), 4),
     }
+
+
+def ranked(drafter: EagleDrafter, logits: torch.Tensor, pointer, following: torch.Tensor, count: int):
+    """The ``count`` tokens (B, T, count) a step ranks first: by its logits (B, T, n) over
+    the draft vocabulary, or by the mixture with its ``pointer`` onto ``following`` (B, T)."""
+    token_ids = drafter.vocabulary.token_ids.to(logits.device)
+    if pointer is None:
+        return token_ids[logits.topk(count, dim=-1).indices]
+    weights, gate = pointer
+    size = drafter.vocabulary.full_size
+    out = torch.empty(*logits.shape[:2], count, dtype=torch.long, device=logits.device)
+    chunk = 256  # rows of full-vocabulary mixtures at a time
+    for b in range(len(logits)):
+        for start in range(0, logits.shape[1], chunk):
+            part = slice(start, start + chunk)
+            probs = mixture(
+                torch.softmax(logits[b, part].float(), -1),
+                weights[b, part].float(),
+                gate[b, part, None].float(),
+                following[b],
+                size,
+                token_ids,
+            )  # (rows, vocab)
+            out[b, part] = probs.topk(count, dim=-1).indices
+    return out
 
 
 def format_metrics(metrics: dict) -> str:

@@ -41,7 +41,7 @@ from torch import nn
 from tqdm import tqdm
 
 from decoders.models.session import ModelSession
-from proposers.copy_attention import mixture
+from proposers.copy_attention import label_probability, mixture
 from proposers.medusa.artifact import CONFIG_FILE, load_artifact, save_artifact
 from proposers.medusa.heads import LORA_TARGETS, MedusaHeads
 from proposers.medusa.proposer import best_tree
@@ -366,11 +366,8 @@ def copy_loss(heads: MedusaHeads, peft_heads: nn.Module, weights: torch.Tensor):
         logits, pointer, gates = copy_forward(heads, peft_heads, view)
         labels = view["labels"].to(heads.device)  # (B, R, K)
         rows = vocab_index(labels.cpu(), heads.draft_vocab, heads.vocab_size).to(heads.device)  # (B, R, K)
-        head_probs = torch.log_softmax(logits, -1).gather(-1, rows.clamp(min=0)[..., None])[..., 0].exp()
-        head_probs = head_probs * (rows != IGNORE)  # (B, R, K)
         following = view["following"].to(heads.device)[:, None, None, :]  # (B, 1, 1, L - 1)
-        copied = (pointer * (following == labels[..., None])).sum(-1)  # (B, R, K)
-        probs = gates * head_probs + (1 - gates) * copied  # (B, R, K) the mixture's mass on the label
+        probs = label_probability(logits, rows, pointer, gates, following, labels)  # (B, R, K)
         present = labels != IGNORE
         losses = -torch.log(probs.clamp(min=1e-9)) * present
         counts = present.sum((0, 1)).clamp(min=1)  # (K,)

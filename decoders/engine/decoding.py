@@ -202,7 +202,8 @@ def decode(
         stats.emitted_per_round.append(len(new))
         stats.verify_time += verified - tock
         stats.draft_time += tock - tick
-        if timed and (timing := pass_times(target.model)) is not None:  # started by the first sizer to read T(n)
+        # timing starts when the first sizer reads T(n)
+        if timed and (timing := pass_times(target.model)) is not None:
             timing.record(len(block), verified - tock)
         if on_tokens:
             on_tokens(new)

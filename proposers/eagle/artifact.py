@@ -17,6 +17,12 @@ ADAPTER_DIR = "adapter"
 # PEFT: LoRA on the draft layer's projections; the new modules and norms in full
 LORA_TARGETS = r"decoder\.layers\.0\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 FULL_MODULES = ["fuse", "combine", "input_layernorm", "post_attention_layernorm", "norm"]
+POINTER = "copy"  # a drafter's pointer into the context, trained in full too
+
+
+def full_modules(copy_width: int) -> list[str]:
+    """PEFT ``modules_to_save``: the new modules, the norms and, with one, the pointer."""
+    return FULL_MODULES + ([POINTER] if copy_width else [])
 
 
 @dataclass
@@ -55,7 +61,14 @@ def load_artifact(directory: Path, target: nn.Module) -> EagleArtifact:
             f"{vocab_size}, {hidden_size} and {num_layers}; retrain it with `python -m train drafter=eagle`."
         )
     vocabulary = DraftVocabulary.load(directory, meta["draft_vocab_size"])
-    drafter = EagleDrafter(target, meta["feature_layers"], meta["init_layer"], vocabulary)
+    drafter = EagleDrafter(
+        target,
+        meta["feature_layers"],
+        meta["init_layer"],
+        vocabulary,
+        meta.get("copy_width", 0),
+        meta.get("copy_depths", 1),
+    )
     drafter = PeftModel.from_pretrained(drafter, str(directory / ADAPTER_DIR)).merge_and_unload()
     drafter.to(weight.dtype).eval().requires_grad_(False)
     return EagleArtifact(drafter, meta)

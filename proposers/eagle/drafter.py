@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from proposers.copy_attention import ContextMemory, CopyAttention
 from proposers.draft_model import DraftVocabulary
 
 
@@ -97,10 +98,24 @@ class EagleDrafter(nn.Module):
     through and ``combine`` by passing the feature through, so an untrained drafter
     is the copied layer applied on the target's last feature. The target's input
     embeddings are read, not copied; the LM head is the target's rows for the draft
-    vocabulary (frozen)."""
+    vocabulary (frozen).
+
+    With ``copy_width`` > 0 the drafter also points into the committed context
+    (:mod:`proposers.copy_attention`, the copy heads' pointer): the query at depth k
+    is what the layer reads there, [feature ; embed(next token)], with its own query,
+    scale and gate for each of the first ``copy_depths`` depths (deeper ones share the
+    last); the keys and values come from the target's highest feature and the tokens
+    of the committed positions. Drafts then come from the mixture of the layer's
+    distribution and the pointer's, over the draft vocabulary plus the context's tokens."""
 
     def __init__(
-        self, target: nn.Module, feature_layers: list[int], init_layer: int, vocabulary: DraftVocabulary
+        self,
+        target: nn.Module,
+        feature_layers: list[int],
+        init_layer: int,
+        vocabulary: DraftVocabulary,
+        copy_width: int = 0,
+        copy_depths: int = 1,
     ) -> None:
         super().__init__()
         from transformers import AutoModel
@@ -138,6 +153,9 @@ class EagleDrafter(nn.Module):
         self.lm_head = vocabulary.head(target.get_output_embeddings())  # (n, hidden) frozen rows
         self._embeddings = (target.get_input_embeddings(),)  # the target's, not a submodule
         self.decoder.requires_grad_(False)
+        if copy_width and copy_depths < 1:
+            raise ValueError(f"an EAGLE pointer needs copy_depths >= 1, got {copy_depths}")
+        self.copy = CopyAttention(hidden, copy_depths, copy_width).to(weight) if copy_width else None
 
     # ModelSession reads the drafter as a model
     def get_decoder(self) -> nn.Module:
@@ -162,6 +180,16 @@ class EagleDrafter(nn.Module):
         """features (..., hidden) (fused or the draft's own y), tokens (...) the next tokens
         -> (..., hidden) the decoder layer's inputs x."""
         return self.combine(torch.cat([features.to(self.dtype), self.embed(tokens)], dim=-1))
+
+    def copy_slot(self, depth: int) -> int:
+        """The pointer's query, scale and gate that depth ``depth`` uses."""
+        return min(depth, len(self.copy.scales) - 1)
+
+    def context_memory(self) -> ContextMemory:
+        """An empty memory of committed positions for one request (a drafter with a pointer)."""
+        if self.copy is None:
+            raise ValueError("this EAGLE drafter has no pointer (drafter.copy_width=0)")
+        return ContextMemory(self.copy, self._embeddings[0], self.vocabulary.token_ids.to(self.device))
 
 
 def target_features(

@@ -2,6 +2,9 @@
 
 Each round first syncs the drafter's KV cache with the positions the target
 committed (fed with the target's features), then drafts from the root it gives.
+A drafter with a pointer (``drafter.copy_width``) also stores those positions in
+the request's :class:`ContextMemory` and drafts over its rows (the draft vocabulary,
+then the context's other tokens) from the mixture with the pointer.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from decoders.models.session import ModelSession
 from decoders.sizing.acceptance import confidence_bucket
 from decoders.sizing.draft_length import DraftLengthPolicy
 from decoders.sizing.dynamic_tree import DynamicTree
+from proposers.copy_attention import ContextMemory, drafting_log_probs
 from proposers.eagle.artifact import CONFIG_FILE, load_artifact
 from proposers.eagle.drafter import LayerTap, target_features
 
@@ -77,10 +81,12 @@ class EagleProposer(Proposer):
             DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive and not config.tree else None
         )
         self._fed = 0  # committed positions in the draft's cache (fed with the target's features)
+        self.memory: ContextMemory | None = None  # a drafter with a pointer: the request's context
 
     def begin(self, state) -> None:
         self.session.reset()
         self._fed = 0
+        self.memory = None if self.drafter.copy is None else self.drafter.context_memory()
 
     @torch.inference_mode()
     def propose(self, state) -> Draft:
@@ -91,8 +97,9 @@ class EagleProposer(Proposer):
 
     def _sync(self, state) -> tuple[torch.Tensor, torch.Tensor]:
         """Drop last round's drafted entries, feed the positions the target committed
-        since (their features and the tokens after them); -> the root logits (n,) and
-        the draft's state (hidden,) at the last committed position."""
+        since (their features and the tokens after them); -> the root logits (n,) (or,
+        with a pointer, log-probabilities over the memory's rows) and the draft's state
+        (hidden,) at the last committed position."""
         committed = len(state.tokens) - 1  # positions before the pending token
         rows = state.committed_rows
         count = len(state.hidden) if rows is None else len(rows)
@@ -107,18 +114,41 @@ class EagleProposer(Proposer):
             self.layers, self.num_target_layers, state.hidden, self.tap, rows
         )  # (c, F)
         following = state.tokens[start + 1 : committed + 1]
-        inputs = self.drafter.inputs(
-            self.drafter.fuse(features.to(self.drafter.dtype)),
-            torch.tensor(following, device=self.drafter.device),
-        )  # (c, hidden)
-        logits = self.session.forward(following, inputs_embeds=inputs, last_only=True)[-1]  # (n,)
+        fused = self.drafter.fuse(features.to(self.drafter.dtype))  # (c, hidden)
+        next_tokens = torch.tensor(following, device=self.drafter.device)
+        inputs = self.drafter.inputs(fused, next_tokens)  # (c, hidden)
+        logits = self.session.forward(following, inputs_embeds=inputs, last_only=True)[-1:]  # (1, n)
         self._fed = committed
-        return logits, self.session.hidden[-1]
+        if self.memory is not None:
+            if len(self.memory) != start:
+                raise RuntimeError(
+                    f"the EAGLE pointer's memory holds {len(self.memory)} positions, the draft cache {start}"
+                )
+            hidden = fused.shape[-1]
+            self.memory.extend(features[:, -hidden:], state.tokens[start:committed], following)
+            logits = self._mixed(0, fused[-1:], next_tokens[-1:], logits)
+        return logits[0], self.session.hidden[-1]
 
-    def _step(self, states: torch.Tensor, tokens: list[int], parents=None, tree_start=None) -> torch.Tensor:
-        """Feed drafted ``tokens`` after their parents' states (f, hidden) -> (f, n) logits."""
-        inputs = self.drafter.inputs(states, torch.tensor(tokens, device=self.drafter.device))
-        return self.session.forward(tokens, parents, tree_start=tree_start, inputs_embeds=inputs)
+    def _step(
+        self, states: torch.Tensor, tokens: list[int], depth: int, parents=None, tree_start=None
+    ) -> torch.Tensor:
+        """Feed drafted ``tokens`` (at ``depth``, the root's children being depth 0) after
+        their parents' states (f, hidden) -> (f, n) logits (with a pointer: (f, rows)
+        log-probabilities)."""
+        ids = torch.tensor(tokens, device=self.drafter.device)
+        inputs = self.drafter.inputs(states, ids)
+        logits = self.session.forward(tokens, parents, tree_start=tree_start, inputs_embeds=inputs)
+        return logits if self.memory is None else self._mixed(depth, states, ids, logits)
+
+    def _mixed(
+        self, depth: int, states: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor:
+        """The mixture with the pointer at ``depth``: states (f, hidden) the features the
+        layer read, tokens (f,) the tokens after them, logits (f, n) -> (f, rows)."""
+        slot = self.drafter.copy_slot(depth)
+        return drafting_log_probs(
+            self.drafter.copy, slot, states, self.drafter.embed(tokens), logits, self.memory
+        )
 
     def _draft_chain(self, logits: torch.Tensor, previous: torch.Tensor, state) -> Draft:
         length = self.config.k
@@ -132,11 +162,11 @@ class EagleProposer(Proposer):
         for i in range(length):
             check_finite(logits, "EAGLE drafter")
             index, probs, _ = draft_token(logits, state, False)
-            tokens.append(int(self.token_ids[index]))
+            tokens.append(self._ids([index])[0])
             if probs is not None:
-                rows.append(self.drafter.vocabulary.full_row(probs))
+                rows.append(self._full_row(probs))
             if i + 1 < length:
-                logits = self._step(previous[None], tokens[-1:])[-1]
+                logits = self._step(previous[None], tokens[-1:], i + 1)[-1]
                 previous = self.session.hidden[-1]
         return Draft.chain(tokens, torch.stack(rows) if rows else None)
 
@@ -154,7 +184,7 @@ class EagleProposer(Proposer):
                 fed_parents.append(offset_of[parents[node]])
             states = torch.stack([state_of[parents[node]] for node in frontier])  # (f, hidden)
             tokens = self._ids([rows[node] for node in frontier])
-            logits = self._step(states, tokens, fed_parents, tree_start)  # (f, n)
+            logits = self._step(states, tokens, depth + 1, fed_parents, tree_start)  # (f, n)
             for i, node in enumerate(frontier):
                 state_of[node] = self.session.hidden[i]
             return logits
@@ -163,8 +193,15 @@ class EagleProposer(Proposer):
         return Draft(self._ids(draft.tokens), draft.parents, values=draft.values)
 
     def _ids(self, rows: list[int]) -> list[int]:
-        """Rows of the draft vocabulary -> token ids."""
-        return self.token_ids[torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)].tolist()
+        """Drafting rows (the draft vocabulary's, or the pointer memory's) -> token ids."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)
+        return (self.token_ids[index] if self.memory is None else self.memory.token_ids(index)).tolist()
+
+    def _full_row(self, probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the drafting rows -> (vocab,)."""
+        if self.memory is None:
+            return self.drafter.vocabulary.full_row(probs)
+        return self.memory.full_rows(probs[None])[0]
 
     def observe(self, state, round: Round) -> None:
         sizer = self.dynamic if self.dynamic is not None else self.policy

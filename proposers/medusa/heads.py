@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from proposers.copy_attention import ContextMemory, CopyAttention, mixture
+from proposers.copy_attention import ContextMemory, CopyAttention, drafting_log_probs
 from proposers.vocabulary import ReducedVocabulary
 
 LORA_TARGETS = r"lm_heads\.\d+"  # PEFT target_modules: every head's lm projection
@@ -207,15 +207,7 @@ class MedusaHeads(nn.Module):
         embedded = self.embed(tokens, previous.dtype)  # (B, hidden)
         state = self.state(k, previous, tokens, embedded)
         logits = self.projection.head_logits(k, state)  # (B, n)
-        weights, gate = self.copy.point(k, previous, embedded, memory.keys, memory.values)
-        probs = mixture(
-            torch.softmax(logits.float(), -1),
-            weights.float(),
-            gate.float(),
-            memory.following_rows,
-            memory.rows,
-        )  # (B, rows): the draft vocabulary, then the context's other tokens
-        return state, probs.log().clamp(min=torch.finfo(torch.float32).min)
+        return state, drafting_log_probs(self.copy, k, previous, embedded, logits, memory)
 
     def context_memory(self) -> ContextMemory:
         """An empty memory of committed positions for one request (copy heads)."""
