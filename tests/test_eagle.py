@@ -253,3 +253,35 @@ def test_dynamic_tree_nodes_are_their_parents_top_children(base):
             *_, logits, pointer = list(unrolled(drafter, rows, len(path) + 1))[-1]
         top = ranked(drafter, logits, pointer, rows["tokens"][:, 1:], 3)[0, m - 1 + len(path)].tolist()
         assert draft.tokens[node] in top
+
+
+def test_the_pointer_reaches_context_tokens_outside_the_draft_vocabulary(tiny_model):
+    """With its gate shut on the layer, the drafter's distribution is the pointer's: all of
+    its mass on tokens that followed committed positions, one of them outside the draft
+    vocabulary, which the mixture's rows (draft vocabulary, then the context's) give."""
+    from proposers.copy_attention import drafting_log_probs
+    from proposers.draft_model import DraftVocabulary
+    from proposers.eagle.drafter import EagleDrafter
+
+    model, _ = tiny_model
+    vocabulary = DraftVocabulary(torch.arange(8), model.config.vocab_size)  # tokens 0..7 only
+    drafter = EagleDrafter(model, [1, 2], -1, vocabulary, copy_width=16, copy_depths=2)
+    with torch.no_grad():
+        drafter.copy.gates[1].bias.fill_(-40.0)  # depth 1 and deeper: all mass on the pointer
+    memory = drafter.context_memory()
+    tokens = [3, 200, 5, 201, 3]
+    hidden = torch.randn(len(tokens) - 1, 64, dtype=torch.float64)
+    memory.extend(hidden, tokens[:-1], tokens[1:])
+    state = torch.randn(1, 64, dtype=torch.float64)
+    head_logits = drafter.lm_head(state)  # (1, 8)
+    slot = drafter.copy_slot(5)
+    assert slot == 1
+    log_probs = drafting_log_probs(
+        drafter.copy, slot, state, drafter.embed(torch.tensor([3])), head_logits, memory
+    )
+    probs = memory.full_rows(log_probs.exp())[0]  # (vocab,)
+    torch.testing.assert_close(probs.sum(), torch.tensor(1.0, dtype=probs.dtype))
+    reachable = torch.zeros_like(probs, dtype=torch.bool)
+    reachable[torch.tensor(tokens[1:])] = True
+    assert float(probs[~reachable].sum()) < 1e-12
+    assert float(probs[200] + probs[201]) > 0.0  # outside the draft vocabulary, given by the pointer
