@@ -80,6 +80,21 @@ def test_the_live_curve_takes_each_timed_widths_median_and_the_base_shape_betwee
     assert times.describe() == {"sizes": [1, 4], "seconds": [2.0, 4.0], "passes": [3, 3], "total_passes": 6}
 
 
+def test_a_wider_pass_is_never_taken_as_cheaper():
+    """Medians that fall with width (passes timed at other moments) are pooled into their
+    weighted mean, and widths between follow the running maximum: the sizing cannot be
+    drawn to a width by its noise."""
+    assert cost.non_decreasing([3.0, 1.0, 2.0, 5.0], [1, 1, 2, 1]) == [2.0, 2.0, 2.0, 5.0]
+    assert cost.non_decreasing([1.0, 2.0], [5, 1]) == [1.0, 2.0]
+    times = cost.PassTimes(cost.CostCurve({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 8: 1.0}), min_samples=1, refresh=1)
+    for width, seconds in [(1, 0.110), (1, 0.110), (1, 0.110), (3, 0.090), (4, 0.125)]:
+        times.record(width, seconds)
+    curve = times.curve.seconds
+    assert curve[1] == curve[2] == curve[3] == pytest.approx((3 * 0.110 + 0.090) / 4)
+    assert curve[4] == curve[8] == 0.125
+    assert times.describe()["seconds"] == [0.110, 0.090, 0.125]  # what was timed, as timed
+
+
 def test_the_live_curve_changes_only_every_refresh_passes_and_with_enough_samples():
     times = cost.PassTimes(cost.CostCurve({1: 1.0, 4: 1.0}), min_samples=4, refresh=4)
     for _ in range(3):

@@ -191,6 +191,13 @@ class PassTimes:
     its base seconds times the ratio measured/base of the nearest measured widths
     (interpolated between them), so a width the sizing has not tried yet keeps the
     base curve's shape at the level the machine runs at now.
+
+    A pass over more tokens is never taken as cheaper than one over fewer: the medians
+    are fitted by the closest non-decreasing curve (pool-adjacent-violators, weighted
+    by the passes behind each median), and the whole curve by its running maximum.
+    Without that, widths timed at different moments (another pipeline, another
+    prompt's context length) can make a wider pass look cheaper, and the sizing then
+    keeps drafting to that width, which only feeds that width more samples.
     """
 
     def __init__(self, base: CostCurve, window: int = 32, min_samples: int = 4, refresh: int = 8) -> None:
@@ -220,6 +227,8 @@ class PassTimes:
         if not measured:
             return
         widths = sorted(measured)
+        fitted = non_decreasing([measured[n] for n in widths], [len(self.samples[n]) for n in widths])
+        measured = dict(zip(widths, fitted))
         ratios = [measured[n] / self.base(n) for n in widths]
 
         def ratio(n: int) -> float:
@@ -232,7 +241,11 @@ class PassTimes:
             return ratios[right - 1] + (ratios[right] - ratios[right - 1]) * (n - a) / (b - a)
 
         sizes = sorted(set(self.base.seconds) | set(measured))
-        self.curve.seconds = {n: measured.get(n, self.base(n) * ratio(n)) for n in sizes}
+        seconds, highest = {}, 0.0
+        for n in sizes:
+            highest = max(highest, measured.get(n, self.base(n) * ratio(n)))
+            seconds[n] = highest
+        self.curve.seconds = seconds
         self.curve.version += 1
 
     def describe(self) -> dict:
@@ -244,6 +257,21 @@ class PassTimes:
             "passes": [len(self.samples[n]) for n in measured],
             "total_passes": self.passes,
         }
+
+
+def non_decreasing(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least squares
+    (pool-adjacent-violators): each run that decreases is replaced by its weighted mean."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, count]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight, count = blocks.pop()
+            last = blocks[-1]
+            total = last[1] + weight
+            last[0] = (last[0] * last[1] + mean * weight) / total
+            last[1], last[2] = total, last[2] + count
+    return [mean for mean, _, count in blocks for _ in range(count)]
 
 
 _PASS_TIMES = "_specdec_pass_times"  # the attribute of a target that carries its PassTimes

@@ -253,5 +253,7 @@ class DynamicTree(Sizer):
             "mean_tree_nodes": round(sum(n * c for n, c in self.sizes.items()) / rounds, 3)
             if rounds
             else None,
+            "expand_calls": self._expands,
+            "expand_seconds": round(self._expand_seconds / self._expands, 6) if self._expands else None,
             "acceptance_by_depth_confidence": self.stats.as_dict(confidence_label),
         }
