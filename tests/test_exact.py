@@ -65,9 +65,11 @@ def test_exact_linear_rows_do_not_depend_on_the_pass(dtype, transposed):
             assert torch.equal(layer(x[start : start + rows]), single[start : start + rows]), rows
 
 
-@pytest.mark.parametrize("prefix", [1, 40, 63, 64, 70, 130])
+@pytest.mark.parametrize("prefix", [1, 40, 63, 64, 70, 130, 445, 701])
 def test_verification_rows_equal_single_token_passes(exact_model, prefix):
-    """Chain and tree passes, before, across and after the 64-key chunk boundaries."""
+    """Chain and tree passes, before, across and after the 64-key chunk boundaries; at
+    445 and 701 the pass's tail spans two chunks where the sum over 8 or 12 chunks runs
+    in lanes (a row that needs one chunk fewer must sum one fewer)."""
     report = check_pass_invariance(exact_model, prefix_len=prefix, chain_len=12, tree=WIDE_TREE)
     assert report.passed, report.summary()
 

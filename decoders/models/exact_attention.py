@@ -169,6 +169,17 @@ def _invariant_attention(
     # row does not reach add exact zeros); the softmax sum rides along as column d.
     both = torch.cat([mixed, total.unsqueeze(-1)], dim=-1) * weight.unsqueeze(-1)
     summed = both.sum(-2)  # (kv_heads, groups, rows, d + 1)
+    # The sum's grouping depends on how many chunks it runs over (CPU kernels sum in
+    # lanes of 4 from 8 on), even when the extra ones are zeros. A row's own pass sums
+    # over the chunks up to its last key; when the tail spans two chunks, a row whose
+    # keys end in the first one sums one chunk fewer, as standard decoding does.
+    tail_chunks = width // CHUNK
+    if tail_chunks > 1:
+        last_used = real.reshape(rows, tail_chunks, CHUNK).any(-1).long().cumsum(-1).argmax(-1)  # (rows,)
+        for used in last_used.unique().tolist():
+            if used + 1 < tail_chunks:
+                shorter = both[..., : both.shape[-2] - (tail_chunks - 1 - used), :].sum(-2)
+                summed = torch.where((last_used == used)[:, None], shorter, summed)
     out = summed[..., :dim] / summed[..., dim:]
     return out.reshape(heads, rows, dim)
 

@@ -77,14 +77,15 @@ def pass_rows(session: ModelSession, tokens: list[int], parents: list[int] | Non
 
 def check_pass_invariance(
     model: torch.nn.Module,
-    prefix_len: int = 70,
+    prefix_len: int = 445,
     chain_len: int = 5,
     tree: list[int] = PROBE_TREE,
     seed: int = 0,
 ) -> InvarianceReport:
     """Compare a chain pass and a tree pass after a random ``prefix_len``-token
     prefix with single-token passes. The default prefix puts the pass across a
-    64-key chunk boundary of :mod:`decoders.models.exact_attention`."""
+    64-key chunk boundary of :mod:`decoders.models.exact_attention`, where the
+    passes' rows combine 7 or 8 chunks (CPU sums of 8 or more run in lanes)."""
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prefix = torch.randint(0, vocab, (prefix_len,), generator=generator).tolist()
