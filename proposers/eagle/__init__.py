@@ -13,6 +13,12 @@ draft vocabulary, turns that into token t + 2::
     y_t       = norm(DecoderLayer(x_<=t))                      a copy of a target layer, LoRA-adapted
     logits_t  = lm_head_draft(y_t)                              the target's rows, frozen
 
+With a pointer (``copy_width`` > 0 at training, the default), ``logits_t`` is mixed
+with a pointer into the committed context, the copy heads' copy attention
+(:mod:`proposers.copy_attention`): its query is [feature_t ; embed(x_(t+1))], the
+keys and values come from the target's highest feature and the committed tokens,
+and drafts come from the mixture over the draft vocabulary plus the context's tokens.
+
 ``feature_layers`` name the target's hidden states as transformers' ``hidden_states``
 does: index i (1 <= i < L) is decoder layer i-1's output, L (or -1) the final,
 normed state the LM head reads (``state.hidden``). The default is EAGLE-3's
@@ -41,5 +47,5 @@ Artifact layout (``python -m train drafter=eagle``)::
 
     eagle.json        architecture (feature layers, the copied layer), target, metrics
     draft_vocab.json  the draft vocabulary, ranked (proposers/draft_model.py)
-    adapter/          PEFT: LoRA of the draft layer, the fusion and norms in full
+    adapter/          PEFT: LoRA of the draft layer; the fusion, norms and pointer in full
 """
