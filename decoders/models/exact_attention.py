@@ -44,7 +44,7 @@ MKL_MIN_ROWS = 4  # float32/float64 query rows per product: MKL computes 1-3 row
 MAX_ROWS = 64  # wider passes (the prefill) use SDPA
 
 # (mask, prefix, rows) -> tail layout; one pass calls every layer with the same mask
-_last_layout: tuple[weakref.ref | None, int, int, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+_last_layout: tuple[weakref.ref | None, int, int, Layout | None] | None = None
 
 
 def exact_attention(
@@ -81,11 +81,13 @@ def exact_attention(
     return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
-def tail_layout(
-    mask: torch.Tensor | None, prefix: int, rows: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+Layout = tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]
+
+
+def tail_layout(mask: torch.Tensor | None, prefix: int, rows: int, device: torch.device) -> Layout | None:
     """Key positions (rows, width) each row reads from the last chunk boundary of
-    the prefix on, and which of them are real (rows, width) bool; None when some
+    the prefix on, which of them are real (rows, width) bool, and the rows that sum
+    fewer chunks than the pass has (:func:`_layout_from_block`); None when some
     row does not see the whole prefix (padding: not a decode pass).
 
     mask: (1, 1, rows, prefix + rows), boolean (True = attend) or additive (0 =
@@ -111,8 +113,13 @@ def tail_layout(
     return layout
 
 
-def _layout_from_block(block: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """block: (rows, rows) bool, which block tokens each row sees."""
+def _layout_from_block(block: torch.Tensor, prefix: int) -> Layout:
+    """block: (rows, rows) bool, which block tokens each row sees.
+
+    The third part lists (tail chunks left out, rows (rows,) bool) for rows whose keys
+    end before the tail's last chunk: the sum over chunks groups its terms by how many
+    there are (CPU sums over 8 or more run in lanes of 4), even when the extra ones are
+    zeros, so such a row sums over as many chunks as its own single-token pass has."""
     rows = block.shape[0]
     start = prefix - prefix % CHUNK
     lead = prefix - start  # prefix tokens after the last chunk boundary
@@ -125,7 +132,12 @@ def _layout_from_block(block: torch.Tensor, prefix: int) -> tuple[torch.Tensor, 
     slot = lead + block.long().cumsum(1)[row, col] - 1
     index[row, slot] = prefix + col
     real[row, slot] = True
-    return index, real
+    chunks = width // CHUNK
+    last_used = real.reshape(rows, chunks, CHUNK).any(-1).long().cumsum(-1).argmax(-1)  # (rows,)
+    shorter = [
+        (chunks - 1 - used, last_used == used) for used in last_used.unique().tolist() if used + 1 < chunks
+    ]
+    return index, real, shorter
 
 
 def _invariant_attention(
@@ -133,7 +145,7 @@ def _invariant_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     prefix: int,
-    layout: tuple[torch.Tensor, torch.Tensor],
+    layout: Layout,
     scale: float,
 ) -> torch.Tensor:
     """query (heads, q, d), key/value (kv_heads, kv, d) -> (heads, q, d) in float32
@@ -141,7 +153,7 @@ def _invariant_attention(
     heads, rows, dim = query.shape
     kv_heads = key.shape[0]
     groups = heads // kv_heads
-    index, real = layout
+    index, real, shorter = layout
     width = index.shape[1]
     shared = prefix - prefix % CHUNK  # keys in chunks every row sees whole
 
@@ -169,17 +181,9 @@ def _invariant_attention(
     # row does not reach add exact zeros); the softmax sum rides along as column d.
     both = torch.cat([mixed, total.unsqueeze(-1)], dim=-1) * weight.unsqueeze(-1)
     summed = both.sum(-2)  # (kv_heads, groups, rows, d + 1)
-    # The sum's grouping depends on how many chunks it runs over (CPU kernels sum in
-    # lanes of 4 from 8 on), even when the extra ones are zeros. A row's own pass sums
-    # over the chunks up to its last key; when the tail spans two chunks, a row whose
-    # keys end in the first one sums one chunk fewer, as standard decoding does.
-    tail_chunks = width // CHUNK
-    if tail_chunks > 1:
-        last_used = real.reshape(rows, tail_chunks, CHUNK).any(-1).long().cumsum(-1).argmax(-1)  # (rows,)
-        for used in last_used.unique().tolist():
-            if used + 1 < tail_chunks:
-                shorter = both[..., : both.shape[-2] - (tail_chunks - 1 - used), :].sum(-2)
-                summed = torch.where((last_used == used)[:, None], shorter, summed)
+    for left_out, selected in shorter:  # rows whose own pass has fewer chunks: sum as it does
+        fewer = both[..., : both.shape[-2] - left_out, :].sum(-2)
+        summed = torch.where(selected[:, None], fewer, summed)
     out = summed[..., :dim] / summed[..., dim:]
     return out.reshape(heads, rows, dim)
 
