@@ -241,3 +241,18 @@ def test_bench_times_exact_off_twins(tmp_path, monkeypatch):
     assert pipelines["ngram+greedy (exact off)"]["baseline"] == "standard (exact off)"
     assert pipelines["ngram+greedy"]["identical_outputs"] == 1.0
     assert pipelines["ngram+greedy"]["baseline"] == "standard"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_passes_wider_than_the_measured_product_run_in_blocks(dtype):
+    """Where the CPU's kernels change past some width (measured by exact_product_rows), wider
+    passes are computed in blocks of that width: every row still equals the row alone."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1536, 96, bias=True).to(dtype)
+    route_narrow_linears(layer, transposed=False, exact=True)
+    assert 4 <= layer._exact_product_rows <= 48 and layer._exact_product_rows % 4 == 0
+    layer._exact_product_rows = 8  # as on a CPU whose kernels change from 12 rows
+    x = torch.randn(30, 1536).to(dtype)
+    single = torch.cat([layer(x[i : i + 1]) for i in range(30)])
+    for rows in (9, 16, 23, 30):
+        assert torch.equal(layer(x[:rows]), single[:rows]), rows

@@ -43,10 +43,14 @@ def narrow_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tenso
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
     if not self._narrow_transposed:  # exact mode on the default route
-        blocks = flat.split(self._exact_product_rows)  # one block unless the pass is wider than measured
-        y = torch.cat(
-            [F.linear(_zero_padded(b, exact_linear_rows(len(b))), self.weight)[: len(b)] for b in blocks]
-        )
+        widest = self._exact_product_rows
+        if rows <= widest:  # every decode pass measured so far: one product
+            y = F.linear(_zero_padded(flat, exact_linear_rows(rows)), self.weight)[:rows]
+        else:
+            blocks = flat.split(widest)
+            y = torch.cat(
+                [F.linear(_zero_padded(b, exact_linear_rows(len(b))), self.weight)[: len(b)] for b in blocks]
+            )
     elif exact:
         y = torch.cat([_transposed_product(self.weight, block, width) for block, width in exact_blocks(flat)])
     else:
