@@ -180,6 +180,24 @@ def test_physical_limit_follows_its_formula():
     assert physical_limit([_record(0, 1.0)], lambda n: 1.0) is None  # peers have no counters
 
 
+def test_physical_limit_costs_each_round_and_adds_the_prefill_to_both_sides():
+    """With per-round draft sizes each round costs T(its size + 1): on a curve that bends
+    upward, rounds of 0 and 4 nodes cost more than two rounds of the mean, 2. The prefill
+    is paid by standard decoding and by the pipeline alike."""
+
+    def convex(n: float) -> float:
+        return 1.0 if n <= 3 else 1.0 + (n - 3)
+
+    counters = dict(target_passes=2, proposed=4, accepted=3, draft_time=0.5, emitted_per_round=[1, 4])
+    varying = _record(0, 1.0, draft_sizes=[0, 4], prefill_time=2.0, **counters)
+    limit = physical_limit([varying], convex)
+    assert limit["mean_draft_size"] == 2.0
+    # standard: prefill + 5 tokens x T(1); pipeline: prefill + T(1) + T(5) + drafting
+    assert limit["ideal_speedup"] == pytest.approx((2.0 + 5 * 1.0) / (2.0 + 1.0 + 3.0 + 0.5))
+    steady = _record(0, 1.0, draft_sizes=[2, 2], prefill_time=2.0, **counters)
+    assert physical_limit([steady], convex)["ideal_speedup"] == pytest.approx((2.0 + 5.0) / (2.0 + 2.0 + 0.5))
+
+
 def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 4], [1, 2, 3]) == 2

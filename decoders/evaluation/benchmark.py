@@ -82,7 +82,7 @@ def pipeline_contender(pipeline: Pipeline) -> Contender:
         return Record(
             "", "", 0, 0, s.new_tokens, s.wall_time, result.tokens,
             s.target_passes, s.proposed, s.accepted, s.draft_time, s.verify_time, s.emitted_per_round,
-            observe_time=s.observe_time,
+            observe_time=s.observe_time, draft_sizes=s.draft_sizes, prefill_time=s.prefill_time,
         )  # fmt: skip
 
     if pipeline.proposer is None:

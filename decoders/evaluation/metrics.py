@@ -9,8 +9,12 @@
 and the physical limit of a speculative pipeline, from the target's pass cost
 curve T(n) (decoders/models/cost.py):
 
-    ideal_speedup         tau * T(1) / (T(mean draft size + 1) + draft seconds per round)
+    ideal_speedup         tau * T(1) / (T(draft size + 1) + draft seconds), per round:
+                          (P + E * T(1)) / (P + sum over rounds of T(n_r + 1) + D)
     efficiency            speedup / ideal_speedup
+
+(E: tokens emitted by the rounds, n_r: round r's draft size, D: drafting seconds,
+P: prefill seconds, which both sides pay, as tokens_per_s counts them.)
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Record:
     emitted_per_round: list[int] = field(default_factory=list)
     text: str | None = None  # decoded output, when the model has a tokenizer
     observe_time: float | None = None  # of draft_time, the proposer's observe calls
+    draft_sizes: list[int] = field(default_factory=list)  # per round: draft tokens verified
+    prefill_time: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -144,23 +150,33 @@ def repeat_spread(records: list[Record], baseline: list[Record]) -> dict:
 def physical_limit(records: list[Record], pass_seconds: Callable[[float], float]) -> dict | None:
     """The speedup this pipeline's tau allows if only target passes and drafting cost time.
 
-    pass_seconds: T(n), seconds of one target pass over n new tokens. A round
-    verifies the pending token plus the draft, so it costs T(mean draft size + 1)
-    plus the draft's own time; standard decoding costs T(1) per token. None for
-    contenders without per-round counters (peers).
+    pass_seconds: T(n), seconds of one target pass over n new tokens. Round r verifies
+    the pending token plus its n_r draft tokens, so it costs T(n_r + 1) plus its share of
+    the drafting time; standard decoding costs T(1) per token. Rounds are costed one by
+    one where the records keep their draft sizes: T(mean size + 1) understates the cost
+    of drafts whose size varies where T(n) bends upward. The prefill, which standard
+    decoding and the pipeline both pay and ``speedup`` counts, is added to both sides.
+    None for contenders without per-round counters (peers).
     """
     instrumented = [r for r in records if r.target_passes]
     passes = sum(r.target_passes or 0 for r in instrumented)
     if not passes:
         return None
-    tau = sum(sum(r.emitted_per_round) for r in instrumented) / passes
+    emitted = sum(sum(r.emitted_per_round) for r in instrumented)
     mean_draft_size = sum(r.proposed or 0 for r in instrumented) / passes
-    draft_seconds = sum(r.draft_time or 0.0 for r in instrumented) / passes
-    ideal = tau * pass_seconds(1) / (pass_seconds(mean_draft_size + 1) + draft_seconds)
+    draft_seconds = sum(r.draft_time or 0.0 for r in instrumented)
+    prefill = sum(r.prefill_time or 0.0 for r in instrumented)
+    rounds = sum(
+        sum(pass_seconds(n + 1) for n in r.draft_sizes)
+        if len(r.draft_sizes) == r.target_passes
+        else r.target_passes * pass_seconds(mean_draft_size + 1)
+        for r in instrumented
+    )
+    ideal = (prefill + emitted * pass_seconds(1)) / (prefill + rounds + draft_seconds)
     return {
         "ideal_speedup": ideal,
         "mean_draft_size": mean_draft_size,
-        "draft_seconds_per_round": draft_seconds,  # observe included
+        "draft_seconds_per_round": draft_seconds / passes,  # observe included
         "observe_seconds_per_round": sum(r.observe_time or 0.0 for r in instrumented) / passes,
     }
 
