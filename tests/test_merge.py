@@ -175,10 +175,12 @@ def test_a_joint_budget_stays_lossless(tiny_pipeline):
         assert pipeline.proposer.describe()["joint_budget"] is True
 
 
+@pytest.mark.parametrize("joint_budget", [True, False], ids=["joint", "whole"])
 @pytest.mark.parametrize("members", MEMBERS, ids=["chain+chain", "tree+tree", "suffix+tree"])
 @pytest.mark.parametrize("verifier", ["tree", "greedy"])
-def test_greedy_output_equals_standard_decoding(tiny_pipeline, members, verifier):
-    pipeline = tiny_pipeline.with_components({"name": "merge", "members": members}, verifier)
+def test_greedy_output_equals_standard_decoding(tiny_pipeline, members, verifier, joint_budget):
+    merge = {"name": "merge", "members": members, "joint_budget": joint_budget}
+    pipeline = tiny_pipeline.with_components(merge, verifier)
     accepted = 0
     for prompt in random_prompts(5, seed=3):
         for max_new in (1, 7, 30):
