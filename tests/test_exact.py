@@ -15,7 +15,13 @@ from decoders.evaluation.audit import decided_rows
 from decoders.evaluation.workloads import WorkloadConfig, load_workload
 from decoders.models import exact_attention
 from decoders.models.invariance import check_pass_invariance
-from decoders.models.kernels import configure_passes, exact_passes, route_narrow_linears, wants_exact
+from decoders.models.kernels import (
+    configure_passes,
+    exact_passes,
+    route_narrow_linears,
+    wants_exact,
+    widest_exact_pass,
+)
 from decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
 from decoders.models.session import ModelSession
 from tests.conftest import random_prompts
@@ -143,6 +149,28 @@ def assert_bit_identical(base: Pipeline, pipeline: Pipeline, prompt, max_new_tok
     for position, (a, b) in enumerate(zip(expected_rows, produced_rows)):
         assert torch.equal(a, b), f"logits differ at generated position {position + 1}"
     return result.stats.accepted
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafts_wider_than_an_exact_pass_are_cut_to_fit(dtype, trained_artifacts, drafting_pays):
+    """A pass wider than exact mode covers (the prefill's route) would give its rows other
+    bits: the decode loop cuts a draft to the widest exact pass, so even a proposer asked
+    for 60-node trees stays bit-identical to standard decoding."""
+    model = exact_tiny(dtype)
+    widest = widest_exact_pass(model)
+    assert widest is not None and widest < 61
+    base = Pipeline(
+        model, None, model_config=ModelConfig(name="tiny-random"), artifacts_dir=trained_artifacts
+    )
+    pipeline = base.with_components(
+        {"name": "medusa", "tree": "dynamic", "tree_width": 8, "tree_budget": 60}, "tree"
+    )
+    sizes: list[int] = []
+    for prompt in random_prompts(3, seed=2):
+        assert_bit_identical(base, pipeline, prompt, 24)
+        sizes += pipeline.generate(prompt, 24).stats.draft_sizes
+    assert max(sizes) == widest - 1  # the proposer's wider trees were cut, not sent whole
+    assert widest_exact_pass(exact_tiny(dtype, exact="false")) is None
 
 
 @pytest.mark.parametrize("verifier", lossless_verifiers())

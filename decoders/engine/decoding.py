@@ -26,6 +26,7 @@ from decoders.engine.sampling import SamplingConfig, check_finite, next_token
 from decoders.engine.state import DecodeState
 from decoders.engine.verifier import Verifier
 from decoders.models.cost import pass_times
+from decoders.models.kernels import widest_exact_pass
 from decoders.models.session import ModelSession
 
 
@@ -169,12 +170,17 @@ def decode(
 
     # A live cost curve learns from the passes; not from those that reuse drafting work.
     timed = proposer is None or not proposer.drafts_in_target
+    # Exact mode keeps a pass's rows exact up to a width; wider drafts are cut to fit.
+    widest = widest_exact_pass(target.model)
     while not done:
         tick = time.perf_counter()
         proposed = Draft.empty() if proposer is None else proposer.propose(state)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
         budget = stop.max_new_tokens - len(output)
-        draft = verifier.prepare(proposed.truncated(budget - 1))
+        proposed_in_budget = proposed.truncated(budget - 1)
+        if widest is not None:
+            proposed_in_budget = proposed_in_budget.limited(widest - 1)
+        draft = verifier.prepare(proposed_in_budget)
         tock = time.perf_counter()
 
         block_start = len(target)

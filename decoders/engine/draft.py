@@ -141,6 +141,10 @@ class Draft:
             return self
         return self.select([i for i, d in enumerate(self.depths) if d < max_depth])
 
+    def limited(self, max_nodes: int) -> Draft:
+        """This draft's first ``max_nodes`` nodes (parents come first, so still a tree)."""
+        return self if len(self.tokens) <= max_nodes else self.select(list(range(max(max_nodes, 0))))
+
     def as_chain(self) -> Draft:
         """This draft pruned to its principal path (a chain verifier's view)."""
         return self if self.is_chain else self.select(self.principal_path())

@@ -310,5 +310,17 @@ def exact_passes(model: torch.nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
 
 
+def widest_exact_pass(model: torch.nn.Module) -> int | None:
+    """In exact mode, the most tokens one pass may hold and keep every row exact: wider
+    passes (the prefill) take the plain linears and SDPA, the same pass for standard and
+    speculative decoding, so a verification pass must stay within this. None otherwise."""
+    from decoders.models.exact_attention import MAX_ROWS
+
+    if not exact_passes(model):
+        return None
+    linears = _linears(model)
+    return min(MAX_ROWS, getattr(linears[0], "_narrow_max_rows", MAX_ROWS) if linears else MAX_ROWS)
+
+
 def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for m in model.modules() if type(m) is torch.nn.Linear]
