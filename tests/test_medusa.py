@@ -14,7 +14,7 @@ from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
 from proposers.copy_attention import mixture
 from proposers.medusa.artifact import load_artifact, save_artifact
-from proposers.medusa.proposer import best_tree, build_tree
+from proposers.medusa.proposer import best_tree, build_tree, draw_siblings
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
 from tests.test_copy_attention import entries_of
@@ -183,17 +183,53 @@ def test_greedy_tree_holds_each_heads_top_k_tokens(base):
     assert draft.as_chain().tokens == [draft.tokens[0], draft.tokens[2], draft.tokens[5]]
 
 
-def test_sampled_drafts_carry_each_heads_distribution(base):
+@pytest.mark.parametrize("siblings", ["without_replacement", "iid"])
+def test_sampled_drafts_carry_each_heads_distribution(base, siblings):
+    """Each sampled node records the row it was drawn from: its head's distribution given
+    its path, without the tokens its earlier siblings drew (renormalised) unless i.i.d."""
     sampling = SamplingConfig(temperature=0.8, top_k=20)
     for tree in (None, TREE):
-        spec = {"name": "medusa", "tree": tree, "adaptive": False}
+        spec = {"name": "medusa", "tree": tree, "adaptive": False, "sibling_sampling": siblings}
         proposer = base.with_components(spec, "rejection", sampling).proposer
         state = decode_state(base, random_prompts(1, seed=6)[0], sampling)
         draft = proposer.propose(state)
         for node in range(len(draft)):
             logits = reference_logits(proposer.heads, state, ancestors(draft, node))
-            torch.testing.assert_close(draft.draft_probs[node], processed_probs(logits, sampling))
+            expected = processed_probs(logits, sampling)
+            earlier = [s for s in draft.children[draft.parents[node] + 1] if s < node]  # siblings drawn before
+            if siblings == "without_replacement" and earlier:
+                expected[[draft.tokens[s] for s in earlier]] = 0.0
+                expected /= expected.sum()
+            torch.testing.assert_close(draft.draft_probs[node], expected)
         assert all(draft.draft_probs[i, token] > 0 for i, token in enumerate(draft.tokens))
+        if siblings == "without_replacement":
+            for children in draft.children:
+                assert len({draft.tokens[c] for c in children}) == len(children)  # siblings are distinct
+
+
+def test_siblings_drawn_without_replacement_fall_back_to_the_whole_row_when_it_is_used_up():
+    """Two siblings under top_k=1: the second has no mass left, so it draws from the
+    whole row again (and records it), instead of dividing by zero."""
+    probs = torch.tensor([[0.0, 1.0, 0.0]])
+    drawn = draw_siblings(probs, [0, 0], iid=False, generator=torch.Generator().manual_seed(0))
+    assert [token for token, _ in drawn] == [1, 1]
+    for _, row in drawn:
+        assert torch.equal(row, probs[0])
+
+
+def test_auto_budget_drafts_the_tree_its_measured_ranks_favour(base):
+    """Once the budget has measured acceptance per (depth, rank), a static tree drafts
+    the best rank paths under those rates, not the first paths of its given tree."""
+    proposer = base.with_components({"name": "medusa", "tree": TREE, "tree_budget": "auto"}, "tree").proposer
+    state = decode_state(base, random_prompts(1, seed=4)[0], SamplingConfig())
+    assert proposer.propose(state).parents == build_tree(TREE, 3)[2]  # the given tree until measured
+    proposer.tuner.paths = [(0,), (1,), (2,), (1, 0)]  # as a retune would set them
+    proposer.begin(state)  # the same state again: copy heads rebuild their memory
+    draft = proposer.propose(state)
+    assert draft.parents == [-1, -1, -1, 1]
+    top = reference_logits(proposer.heads, state, []).topk(3).indices
+    assert draft.tokens[:3] == top.tolist()
+    assert proposer.describe()["tree_paths"] == [[0], [1], [2], [1, 0]]
 
 
 LOSSLESS = [v for v in verifier_registry.names() if verifier_registry.get(v).lossless]
@@ -227,9 +263,11 @@ def test_greedy_output_equals_standard_decoding(drafting_pays, base, proposer, v
     [
         ("medusa", "rejection"),
         ({"name": "medusa", "tree": "dynamic", "tree_budget": "auto"}, "tree"),
+        ({"name": "medusa", "tree": TREE, "tree_budget": "auto"}, "tree"),
+        ({"name": "medusa", "tree": TREE, "sibling_sampling": "iid"}, "tree"),
         ({"name": "merge", "members": ["medusa", "ngram"]}, "tree"),
     ],
-    ids=["chain-rejection", "dynamic-tree", "merged-with-ngram"],
+    ids=["chain-rejection", "dynamic-tree", "sampled-tree", "sampled-tree-iid", "merged-with-ngram"],
 )
 def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, verifier):
     """Drafted tokens (from the second generated one on) follow the target's

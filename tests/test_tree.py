@@ -33,7 +33,7 @@ from decoders.models.session import ModelSession
 from decoders.sizing.acceptance import AcceptanceStats
 from decoders.sizing.draft_length import DraftLengthPolicy
 from decoders.sizing.search import best_size
-from decoders.sizing.tree_budget import TreeBudget, node_probabilities, rank_keys
+from decoders.sizing.tree_budget import TreeBudget, best_paths, node_probabilities, rank_keys
 from proposers.ngram import tree_from_sequences
 from tests.conftest import random_prompts
 from verifiers.greedy import GreedyVerifier
@@ -386,6 +386,26 @@ def test_node_probabilities_and_best_size():
         if rate > best_rate * 1.01:
             best, best_rate = n, rate
     assert best_size(node_probabilities(stats, 19), linear.non_decreasing(20), 0.5)[0] == best == 3
+
+
+def test_best_paths_reshape_a_tree_from_measured_ranks():
+    """Sampled siblings: a second draw at the root (rank 1) that is accepted more often than
+    the first draw's child makes the best tree bushier than a greedy one; the paths come
+    best first with their probabilities, and every prefix of the list is a tree."""
+    stats = AcceptanceStats.measured()
+    for key, rate in {(0, 0): 0.5, (0, 1): 0.4, (0, 2): 0.3, (1, 0): 0.2}.items():
+        stats.tried[key] = 10
+        stats.accepted[key] = round(rate * 10)
+    paths = best_paths(stats, 5)
+    assert [path for path, _ in paths] == [(0,), (1,), (2,), (0, 0), (1, 0)]
+    assert [p for _, p in paths] == pytest.approx([0.5, 0.4, 0.3, 0.1, 0.08])
+    for n in range(1, 6):
+        kept = {path for path, _ in paths[:n]}
+        assert all(path[:-1] in kept for path in kept if len(path) > 1)
+    budget = TreeBudget(lambda: CostCurve({1: 1.0, 64: 1.0}), max_nodes=5)
+    budget.stats = stats
+    budget.retune()
+    assert budget.paths == [path for path, _ in paths[: budget.budget]] and budget.budget == 5
 
 
 def test_noisy_curve_does_not_grow_a_static_tree():

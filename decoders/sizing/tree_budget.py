@@ -12,7 +12,10 @@ expected tokens per second, the drafting seconds per round included.
 
 Used by static trees (``proposer=medusa proposer.tree=auto proposer.tree_budget=auto``):
 the proposer starts with its full tree (to measure every depth and rank), then
-re-chooses the budget every ``every`` rounds from what it has measured. Dynamic
+every ``every`` rounds re-chooses the budget and the shape from what it has
+measured: the tree of the ``budget`` most probable rank paths (:attr:`TreeBudget.paths`),
+which at temperature > 0, where the ranks are sampled siblings' draw order, can
+differ much from the greedy tree the artifact stores. Dynamic
 trees, whose shape changes every round, size each round instead
 (decoders/sizing/dynamic_tree.py).
 """
@@ -37,21 +40,28 @@ def rank_keys(draft: Draft) -> list[tuple[int, int]]:
     return keys
 
 
-def node_probabilities(stats: AcceptanceStats, limit: int) -> list[float]:
-    """Acceptance probabilities of the ``limit`` most probable nodes of the best tree
-    that (depth, rank) statistics describe, in descending order (best-first search)."""
+def best_paths(stats: AcceptanceStats, limit: int) -> list[tuple[tuple[int, ...], float]]:
+    """The ``limit`` most probable nodes of the best tree that (depth, rank) statistics
+    describe, as (path of ranks from the root, acceptance probability), in descending
+    order (best-first search; every prefix of the list is a tree)."""
     ranks = range(1 + max((rank for _, rank in stats.tried), default=-1))
-    frontier = [(-stats.rate((0, rank)), 0) for rank in ranks]  # (-probability, depth)
+    frontier = [(-stats.rate((0, rank)), (rank,)) for rank in ranks]  # (-probability, path)
     heapq.heapify(frontier)
-    probabilities: list[float] = []
-    while frontier and len(probabilities) < limit:
-        negative, depth = heapq.heappop(frontier)
+    found: list[tuple[tuple[int, ...], float]] = []
+    while frontier and len(found) < limit:
+        negative, path = heapq.heappop(frontier)
         if negative >= 0:  # only never-accepted nodes are left
             break
-        probabilities.append(-negative)
+        found.append((path, -negative))
         for rank in ranks:
-            heapq.heappush(frontier, (negative * stats.rate((depth + 1, rank)), depth + 1))
-    return probabilities
+            heapq.heappush(frontier, (negative * stats.rate((len(path), rank)), path + (rank,)))
+    return found
+
+
+def node_probabilities(stats: AcceptanceStats, limit: int) -> list[float]:
+    """Acceptance probabilities of the ``limit`` most probable nodes of the best tree
+    that (depth, rank) statistics describe, in descending order."""
+    return [probability for _, probability in best_paths(stats, limit)]
 
 
 class TreeBudget(Sizer):
@@ -70,6 +80,9 @@ class TreeBudget(Sizer):
         self.every = every
         self.min_gain = min_gain
         self.budget = max_nodes  # explore every depth and rank until measured
+        # the best tree's rank paths under the measured rates, best first (None until the
+        # first retune): a proposer that can reshape its tree drafts these
+        self.paths: list[tuple[int, ...]] | None = None
         self.expected_tokens_per_s: float | None = None
         self._pass_seconds = PassSeconds(target_cost, max_nodes + 1)
 
@@ -81,12 +94,14 @@ class TreeBudget(Sizer):
             self.retune()
 
     def retune(self) -> None:
+        best = best_paths(self.stats, self.max_nodes)
         self.budget, self.expected_tokens_per_s = best_size(
-            node_probabilities(self.stats, self.max_nodes),
+            [probability for _, probability in best],
             self._pass_seconds(),
             self.mean_draft_seconds,
             min_gain=self.min_gain,
         )
+        self.paths = [path for path, _ in best[: self.budget]] or None
 
     def as_dict(self) -> dict:
         """Per-depth, per-rank tried counts and acceptance rates (for results files)."""

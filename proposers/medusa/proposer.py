@@ -14,8 +14,14 @@ distribution, for sequential heads the head given the drafted path.
   second-ranked token under head 0's top token. Paths are ordered so the
   all-0 path is the principal path (what chain verifiers keep). ``"auto"``
   takes the tree stored with the artifact, built from the heads' measured
-  per-rank accuracies. When sampling, siblings are i.i.d. draws from their
-  shared distribution.
+  per-rank accuracies. When sampling, a node's rank is the order of its draw:
+  siblings are drawn one after another without replacement, each from the
+  parent's distribution without the tokens drawn before it, renormalised, and
+  that row is its draft_probs (the tree verifier's condition for losslessness).
+  Distinct siblings accept more than i.i.d. draws, which repeat the likeliest
+  token (``sibling_sampling: iid`` keeps those, for comparison). With
+  ``tree_budget: auto`` the tree is re-chosen from the acceptance measured per
+  (depth, rank), shape and size (decoders/sizing/tree_budget.py).
 * dynamic tree (``tree: dynamic``): grown each round from the heads' own
   confidence (decoders/sizing/dynamic_tree.py, the mechanism the draft model's trees
   use): ``tree_width`` frontier nodes per level expanded into their
@@ -97,6 +103,31 @@ def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int
             for rank, acc in enumerate(rank_accuracy[len(path)]):
                 heapq.heappush(frontier, (negative_value * acc, path + (rank,)))
     return chosen
+
+
+def draw_siblings(
+    probs: torch.Tensor, owner: list[int], iid: bool, generator: torch.Generator
+) -> list[tuple[int, torch.Tensor]]:
+    """(token, the row it was drawn from) for each node of a tree level; node j's parent's
+    distribution is ``probs[owner[j]]`` (probs: (P, rows)), siblings in draft order.
+
+    i.i.d.: every sibling draws from its parent's row. Without replacement: each draws
+    from its parent's row without the tokens its earlier siblings drew, renormalised (if
+    they took all the mass, from the whole row again); every token is still drawn from
+    the row recorded for it, which is what keeps the tree verifier lossless."""
+    if iid:
+        rows = probs[owner]  # (len(owner), rows)
+        return list(zip(sample(rows, generator).tolist(), rows))
+    remaining = probs.clone()
+    drawn: list[tuple[int, torch.Tensor]] = []
+    for parent in owner:
+        left = remaining[parent]
+        total = left.sum()
+        row = left / total if total > 0 else probs[parent]
+        token = int(sample(row, generator))
+        remaining[parent, token] = 0.0
+        drawn.append((token, row))
+    return drawn
 
 
 # ---------------------------------------------------------------- proposer
@@ -186,6 +217,9 @@ class MedusaProposer(Proposer):
         # (decoders/sizing/tree_budget.py; per round for dynamic trees)
         tree_budget: Any = None
         tree_width: int = 4  # dynamic trees: children per expanded node, nodes expanded per level
+        # sampled static trees: "without_replacement" (siblings distinct, each from the parent's
+        # distribution without the earlier siblings' tokens) or "iid" (independent draws)
+        sibling_sampling: str = "without_replacement"
         # chains: cut each draft to the length that pays, from acceptance measured per
         # first-head confidence and the target's T(n) (decoders/sizing/draft_length.py)
         adaptive: bool = True
@@ -222,7 +256,12 @@ class MedusaProposer(Proposer):
             raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
         self.tree = None if choices is None else build_tree(choices, self.num_heads)
         self._choices = [list(c) for c in choices or []]  # in order of expected acceptance
-        self._trees = {len(self._choices): self.tree}  # node budget -> (depths, ranks, parents)
+        self._trees = {tuple(map(tuple, self._choices)): self.tree}  # rank paths -> (depths, ranks, parents)
+        self._paths = tuple(map(tuple, self._choices))  # the rank paths of the last tree drafted
+        if config.sibling_sampling not in ("without_replacement", "iid"):
+            raise ValueError(
+                f"proposer.sibling_sampling must be without_replacement or iid, got {config.sibling_sampling!r}"
+            )
         budget = config.tree_budget
         if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
             raise ValueError(f"proposer.tree_budget must be null, a positive integer or auto, got {budget!r}")
@@ -291,11 +330,12 @@ class MedusaProposer(Proposer):
             outputs, chain, [0] * length, [d - 1 for d in chain], sampling, state.generator
         )
 
-    @staticmethod
-    def _draft_tree(outputs, depths, ranks, parents, sampling, generator) -> Draft:
+    def _draft_tree(self, outputs, depths, ranks, parents, sampling, generator) -> Draft:
         """Fill the tree shape (nodes ordered by depth) level by level: a node's token
         is its rank among, or (sampling) a draw from, the distribution its parent's
-        path gives the node's head; siblings share that distribution."""
+        path gives the node's head (siblings drawn without replacement unless
+        ``sibling_sampling=iid``)."""
+        iid = self.config.sibling_sampling == "iid"
         tokens = [0] * len(depths)
         probs: list[torch.Tensor] = [None] * len(depths)  # type: ignore[list-item]
         has_children = {p for p in parents if p >= 0}
@@ -308,22 +348,28 @@ class MedusaProposer(Proposer):
                 top = logits.topk(max(ranks[i] for i in level) + 1, dim=-1).indices  # (P, ranks)
                 for i, r in zip(level, row):
                     tokens[i] = int(top[r, ranks[i]])
-            else:
-                level_probs = processed_probs(logits, sampling)[row]  # (len(level), vocab) float32
-                for i, token, p in zip(level, sample(level_probs, generator).tolist(), level_probs):
+            else:  # (P, rows) float32, one row per parent; siblings in draft (rank) order
+                for i, (token, p) in zip(level, draw_siblings(processed_probs(logits, sampling), row, iid, generator)):
                     tokens[i], probs[i] = token, p
             outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
         draft_probs = None if sampling.greedy else outputs.full_rows(torch.stack(probs))  # (nodes, vocab)
         return Draft(outputs.token_ids(tokens), parents, draft_probs)
 
     def _budget_tree(self) -> tuple[list[int], list[int], list[int]]:
-        """The tree of the first ``budget`` paths (closed under prefixes: a path never
-        ranks above its prefix), built once per budget."""
-        budget = self.tuner.budget if self.tuner is not None else self.config.tree_budget
-        budget = min(budget or len(self._choices), len(self._choices))
-        if budget not in self._trees:
-            self._trees[budget] = build_tree(self._choices[:budget], self.num_heads)
-        return self._trees[budget]
+        """The tree to draft: with ``tree_budget: auto``, once measured, the best rank paths
+        under the acceptance measured per (depth, rank); otherwise the first ``budget``
+        paths of the given tree (closed under prefixes: a path never ranks above its
+        prefix). Each shape is built once."""
+        if self.tuner is not None and self.tuner.paths is not None:
+            paths = tuple(self.tuner.paths)
+        else:
+            budget = self.tuner.budget if self.tuner is not None else self.config.tree_budget
+            budget = min(budget or len(self._choices), len(self._choices))
+            paths = tuple(tuple(path) for path in self._choices[:budget])
+        if paths not in self._trees:
+            self._trees[paths] = build_tree([list(path) for path in paths], self.num_heads)
+        self._paths = paths
+        return self._trees[paths]
 
     def observe(self, state, round: Round) -> None:
         if self.sizer is not None:
@@ -344,6 +390,7 @@ class MedusaProposer(Proposer):
             "sequential_heads": self.heads.sequential,
             "copy_heads": self.heads.copy is not None,
             "tree_nodes": None if self.tree is None else len(self._budget_tree()[0]),
+            "tree_paths": None if self.tree is None else [list(path) for path in self._paths],
             "tree_budget_auto": self.tuner is not None,
             "acceptance_by_depth_rank": self.tuner.as_dict() if self.tuner is not None else None,
             "draft_vocab_size": None if self.heads.draft_vocab is None else len(self.heads.draft_vocab),
