@@ -545,3 +545,27 @@ def test_tree_sampling_has_the_standard_distribution(small_target, proposer_name
     expected = exact_second_and_third_token_probs(small_target, prompt, sampling)
     p_value = chi_square_p_value(counts, expected, samples)
     assert p_value > 1e-3, p_value
+
+
+def test_best_paths_give_siblings_consecutive_ranks_in_descending_order():
+    """A later draw measured (by noise) above an earlier one waits for it, and is valued
+    no higher, so the list stays in descending order and every sibling set is 0..r."""
+    stats = AcceptanceStats.measured()
+    for key, rate in {(0, 0): 0.5, (0, 1): 0.05, (0, 2): 0.3}.items():
+        stats.tried[key] = 20
+        stats.accepted[key] = round(rate * 20)
+    paths = best_paths(stats, 3)
+    assert [path for path, _ in paths] == [(0,), (1,), (2,)]
+    assert [p for _, p in paths] == pytest.approx([0.5, 0.05, 0.05])
+
+
+def test_static_tree_statistics_shrink_a_deep_level_toward_the_level_above():
+    """0 of 9 tries at depth 1 does not zero its rate: 8 pseudo-observations at depth 0's rate."""
+    budget = TreeBudget(lambda: CostCurve({1: 1.0, 64: 1.0}), max_nodes=4)
+    budget.stats.tried.update({(0, 0): 30, (1, 0): 9})
+    budget.stats.accepted.update({(0, 0): 9})
+    assert budget.stats.rate((0, 0)) == pytest.approx(0.3)
+    assert budget.stats.rate((1, 0)) == pytest.approx(8 * 0.3 / 17)
+    assert budget.stats.rate((2, 0)) == pytest.approx(8 * 0.3 / 17)  # untried: the level above's rate
+    assert budget.stats.rate((0, 1)) == 0.0  # depth 0 is measured alone
+    assert [path for path, _ in best_paths(budget.stats, 10)] == [(0,), (0, 0)]  # no deeper than ever tried

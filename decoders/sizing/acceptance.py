@@ -16,8 +16,11 @@ with ``w`` pseudo-observations at the prior rate. One prior convention per use:
 * :meth:`AcceptanceStats.optimistic` (w = 1, prior 1): chains that must explore,
   an untried situation is drafted in full (``draft_length``);
 * :meth:`AcceptanceStats.measured` (w = 0): only what was measured, 0 for an untried
-  key; for static trees, which explore by starting from their full tree
-  (``tree_budget``);
+  key;
+* :meth:`AcceptanceStats.level_shrunk` (w = 8, prior the rate measured for the same
+  rank one level up): static trees (``tree_budget``), which explore by starting from
+  their full tree; deep nodes are tried only when every node above them was accepted,
+  so a few unlucky tries must not rule a level out for good;
 * :meth:`AcceptanceStats.confident` (w = 4, prior the middle of the key's
   confidence bucket): the drafter is taken at its word until measured (dynamic
   trees, suffix trees).
@@ -60,6 +63,22 @@ class AcceptanceStats:
     def measured(cls) -> AcceptanceStats:
         """No prior: the measured share, 0 where never tried."""
         return cls(0.0, 0.0)
+
+    @classmethod
+    def level_shrunk(cls, weight: float = 8.0) -> AcceptanceStats:
+        """Keys (depth, rank): ``weight`` observations at the rate measured for (depth - 1,
+        rank); at depth 0 the measured share alone (0 where never tried)."""
+        stats = cls(0.0, weight)
+
+        def prior(key) -> float:
+            depth, rank = key
+            if depth > 0:
+                return stats.rate((depth - 1, rank))
+            tried = stats.tried[key]
+            return stats.accepted[key] / tried if tried else 0.0
+
+        stats.prior = prior
+        return stats
 
     @classmethod
     def confident(cls, buckets: int = CONFIDENCE_BUCKETS, weight: float = 4.0) -> AcceptanceStats:

@@ -1,10 +1,11 @@
 """A static draft tree's size (node budget) chosen from the target's cost and the measured acceptance.
 
 A bigger tree accepts more tokens per round but widens the target's pass. Acceptance
-is counted per (depth, rank) in an :class:`AcceptanceStats` (measured convention:
-0 until tried): a(d, r) is the share of the nodes at depth d that were their
-parent's r-th child (draft order, 0 = the draft's favourite) and were accepted,
-among those that were tried. Treating levels as independent, a node is accepted
+is counted per (depth, rank) in an :class:`AcceptanceStats` (``level_shrunk``: a
+few pseudo-observations at the rate of the same rank one level up, so that a deep
+level tried a handful of times is not ruled out by bad luck): a(d, r) is the share
+of the nodes at depth d that were their parent's r-th child (draft order, 0 = the
+draft's favourite) and were accepted, among those that were tried. Treating levels as independent, a node is accepted
 with the product of a(d, r) along its path. These products only shrink going down
 a path, so the n most probable nodes form a tree (:func:`node_probabilities`, best
 first), and :func:`decoders.sizing.search.best_size` takes the n with the most
@@ -43,18 +44,25 @@ def rank_keys(draft: Draft) -> list[tuple[int, int]]:
 def best_paths(stats: AcceptanceStats, limit: int) -> list[tuple[tuple[int, ...], float]]:
     """The ``limit`` most probable nodes of the best tree that (depth, rank) statistics
     describe, as (path of ranks from the root, acceptance probability), in descending
-    order (best-first search; every prefix of the list is a tree)."""
-    ranks = range(1 + max((rank for _, rank in stats.tried), default=-1))
-    frontier = [(-stats.rate((0, rank)), (rank,)) for rank in ranks]  # (-probability, path)
-    heapq.heapify(frontier)
+    order (best-first search; every prefix of the list is a tree whose siblings hold
+    consecutive ranks from 0, as sampled siblings, numbered by draw, must)."""
+    ranks = 1 + max((rank for _, rank in stats.tried), default=-1)  # only depths and ranks ever tried
+    depths = 1 + max((depth for depth, _ in stats.tried), default=-1)
+    if not ranks:
+        return []
+    frontier = [(-stats.rate((0, 0)), (0,), 1.0)]  # (-probability, path, its parent's probability)
     found: list[tuple[tuple[int, ...], float]] = []
     while frontier and len(found) < limit:
-        negative, path = heapq.heappop(frontier)
+        negative, path, parent = heapq.heappop(frontier)
         if negative >= 0:  # only never-accepted nodes are left
             break
         found.append((path, -negative))
-        for rank in ranks:
-            heapq.heappush(frontier, (negative * stats.rate((len(path), rank)), path + (rank,)))
+        if path[-1] + 1 < ranks:  # the next sibling
+            sibling = path[:-1] + (path[-1] + 1,)
+            value = min(parent * stats.rate((len(path) - 1, path[-1] + 1)), -negative)  # kept in order
+            heapq.heappush(frontier, (-value, sibling, parent))
+        if len(path) < depths:  # the first child
+            heapq.heappush(frontier, (negative * stats.rate((len(path), 0)), path + (0,), -negative))
     return found
 
 
@@ -75,7 +83,7 @@ class TreeBudget(Sizer):
         min_gain: float = MIN_GAIN,
     ) -> None:
         super().__init__()
-        self.stats = AcceptanceStats.measured()
+        self.stats = AcceptanceStats.level_shrunk()
         self.max_nodes = max_nodes
         self.every = every
         self.min_gain = min_gain
