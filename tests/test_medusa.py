@@ -318,6 +318,8 @@ def test_tree_budget_keeps_the_first_paths(base, tiny_model):
     assert len(draft) == 3 and draft.parents == [-1, -1, 0]  # paths [0], [1], [0, 0]
     with pytest.raises(ValueError, match="tree_budget"):
         base.with_components({"name": "medusa", "tree": TREE, "tree_budget": 0}, "tree")
+    with pytest.raises(ValueError, match="proposer.sibling_sampling must be without_replacement or iid"):
+        base.with_components({"name": "medusa", "tree": TREE, "sibling_sampling": "random"}, "tree")
 
 
 def test_auto_budget_is_rechosen_from_measured_acceptance(base):
