@@ -262,12 +262,13 @@ def test_greedy_output_equals_standard_decoding(drafting_pays, base, proposer, v
     ("proposer", "verifier"),
     [
         ("medusa", "rejection"),
+        ({"name": "medusa", "tree": "dynamic", "tree_budget": "auto", "when_sampling": "point_masses"}, "tree"),
         ({"name": "medusa", "tree": "dynamic", "tree_budget": "auto"}, "tree"),
         ({"name": "medusa", "tree": TREE, "tree_budget": "auto"}, "tree"),
         ({"name": "medusa", "tree": TREE, "sibling_sampling": "iid"}, "tree"),
         ({"name": "merge", "members": ["medusa", "ngram"]}, "tree"),
     ],
-    ids=["chain-rejection", "dynamic-tree", "sampled-tree", "sampled-tree-iid", "merged-with-ngram"],
+    ids=["chain-rejection", "dynamic-tree", "dynamic-as-sampled-tree", "sampled-tree", "sampled-tree-iid", "merged-with-ngram"],
 )
 def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, verifier):
     """Drafted tokens (from the second generated one on) follow the target's
@@ -281,7 +282,8 @@ def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, 
 
 
 def test_dynamic_tree_nodes_are_their_parents_top_children(base):
-    proposer = base.with_components({"name": "medusa", "tree": "dynamic", "tree_width": 3}, "tree").proposer
+    spec = {"name": "medusa", "tree": "dynamic", "tree_width": 3, "when_sampling": "point_masses"}
+    proposer = base.with_components(spec, "tree").proposer
     assert not proposer.sampled
     state = decode_state(base, random_prompts(1, seed=4)[0], SamplingConfig())
     draft = proposer.propose(state)
@@ -295,6 +297,28 @@ def test_dynamic_tree_nodes_are_their_parents_top_children(base):
         assert draft.tokens[node] in top
     for row in draft.children:  # siblings are distinct
         assert len({draft.tokens[c] for c in row}) == len(row)
+
+
+def test_dynamic_trees_draft_the_sampled_tree_when_sampling(base):
+    """tree=dynamic: point masses at temperature 0; above it, by default, the artifact's tree
+    with sampled siblings (draft_probs given) from the budget's measured shape; with
+    when_sampling=point_masses, the dynamic tree at every temperature. Each shape's rounds
+    go to its own sizer."""
+    sampling = SamplingConfig(temperature=1.0)
+    prompt = random_prompts(1, seed=4)[0]
+    spec = {"name": "medusa", "tree": "dynamic", "tree_budget": "auto"}
+    proposer = base.with_components(spec, "tree").proposer
+    assert proposer.sampled and proposer.tuner is not None
+    greedy = proposer.propose(decode_state(base, prompt, SamplingConfig()))
+    assert greedy.draft_probs is None and proposer._sizer is proposer.dynamic
+    proposer.begin(None)
+    sampled = proposer.propose(decode_state(base, prompt, sampling))
+    assert sampled.draft_probs is not None and proposer._sizer is proposer.tuner
+    assert sampled.parents == proposer._budget_tree()[2]
+    kept = base.with_components({**spec, "when_sampling": "point_masses"}, "tree").proposer
+    assert not kept.sampled and kept.propose(decode_state(base, prompt, sampling)).draft_probs is None
+    with pytest.raises(ValueError, match="proposer.when_sampling must be sampled_tree or point_masses"):
+        base.with_components({**spec, "when_sampling": "sometimes"}, "tree")
 
 
 def test_missing_artifact_names_the_training_command(tiny_pipeline):

@@ -27,8 +27,13 @@ distribution, for sequential heads the head given the drafted path.
   use): ``tree_width`` frontier nodes per level expanded into their
   ``tree_width`` most probable children, then the best ``tree_budget`` nodes, or
   with ``tree_budget: auto`` each round's best size from the target's cost and
-  the acceptance measured per depth and confidence. Deterministic at every
-  temperature (the tree verifier's point-mass rule).
+  the acceptance measured per depth and confidence. Its nodes are point masses,
+  which at temperature > 0 are accepted with the target's p(x) only; so when
+  sampling it drafts, by default (``when_sampling: sampled_tree``), the
+  artifact's tree with sampled siblings instead, shaped and sized from measured
+  acceptance as ``tree: auto, tree_budget: auto`` is (README, "Sampled trees at
+  temperature > 0": more tau at T=1 in every run there). ``when_sampling:
+  point_masses`` keeps the dynamic tree at every temperature.
 """
 
 from __future__ import annotations
@@ -220,6 +225,9 @@ class MedusaProposer(Proposer):
         # sampled static trees: "without_replacement" (siblings distinct, each from the parent's
         # distribution without the earlier siblings' tokens) or "iid" (independent draws)
         sibling_sampling: str = "without_replacement"
+        # dynamic trees at temperature > 0: "sampled_tree" (the artifact's tree, sampled, shape
+        # and size from measured acceptance) or "point_masses" (the dynamic tree itself)
+        when_sampling: str = "sampled_tree"
         # chains: cut each draft to the length that pays, from acceptance measured per
         # first-head confidence and the target's T(n) (decoders/sizing/draft_length.py)
         adaptive: bool = True
@@ -251,7 +259,19 @@ class MedusaProposer(Proposer):
             if config.tree == "dynamic"
             else None
         )
-        choices = self.meta.get("tree") if config.tree == "auto" else None if self.dynamic else config.tree
+        if config.when_sampling not in ("sampled_tree", "point_masses"):
+            raise ValueError(
+                f"proposer.when_sampling must be sampled_tree or point_masses, got {config.when_sampling!r}"
+            )
+        # a dynamic tree's shape when sampling: the artifact's tree (none: the dynamic tree)
+        sampled_shape = self.dynamic is not None and config.when_sampling == "sampled_tree"
+        choices = (
+            self.meta.get("tree")
+            if config.tree == "auto" or sampled_shape
+            else None
+            if self.dynamic
+            else config.tree
+        )
         if config.tree == "auto" and not choices:
             raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
         self.tree = None if choices is None else build_tree(choices, self.num_heads)
@@ -275,13 +295,15 @@ class MedusaProposer(Proposer):
             if config.adaptive and self.tree is None and self.dynamic is None
             else None
         )
-        # the one sizer of this shape (None: a fixed size): it learns from every round
+        # the sizer of the shape drafted (None: a fixed size); a dynamic tree's rounds drafted
+        # as a sampled tree go to the tuner
         self.sizer: Sizer | None = self.dynamic or self.tuner or self.policy
+        self._sizer: Sizer | None = self.sizer  # the last round's
         self.memory: ContextMemory | None = None  # copy heads: the request's committed context
 
     @property
     def sampled(self) -> bool:
-        return self.dynamic is None  # dynamic trees are deterministic
+        return self.dynamic is None or self.tree is not None  # dynamic trees alone are deterministic
 
     def begin(self, state) -> None:
         self.memory = None if self.heads.copy is None else self.heads.context_memory()
@@ -308,7 +330,8 @@ class MedusaProposer(Proposer):
             self._remember(state)
         outputs = _HeadOutputs(self.heads, state, self.num_heads, self.memory)
         root = outputs.root()  # (n,) head 0's logits over the draft vocabulary
-        if self.dynamic is not None:
+        if self.dynamic is not None and not (self.tree is not None and not sampling.greedy):
+            self._sizer = self.dynamic
 
             def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
                 outputs.expand(frontier, rows, parents, depth)
@@ -317,6 +340,7 @@ class MedusaProposer(Proposer):
             draft = self.dynamic.build(root, expand, "Medusa heads")
             return Draft(outputs.token_ids(draft.tokens), draft.parents, values=draft.values)
         if self.tree is not None:
+            self._sizer = self.tuner
             return self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
         length = self.num_heads
         if self.policy is not None:  # the cut depends on q only: sampling stays lossless
@@ -372,8 +396,8 @@ class MedusaProposer(Proposer):
         return self._trees[paths]
 
     def observe(self, state, round: Round) -> None:
-        if self.sizer is not None:
-            self.sizer.observe(round)
+        if self._sizer is not None:
+            self._sizer.observe(round)
 
     def describe(self) -> dict:
         if self.dynamic is not None:
@@ -382,6 +406,9 @@ class MedusaProposer(Proposer):
                 "num_heads": self.num_heads,
                 "sequential_heads": self.heads.sequential,
                 **self.dynamic.describe(),
+                "when_sampling": self.config.when_sampling if self.tree is not None else "point_masses",
+                "sampled_tree_paths": [list(path) for path in self._paths] if self.tree is not None else None,
+                "sampled_acceptance_by_depth_rank": self.tuner.as_dict() if self.tuner is not None else None,
             }
         return {
             "artifact": self.artifact,
