@@ -40,6 +40,9 @@ wide passes cost most, the merge of suffix decoding and the copy heads' dynamic
 tree ran 1.27x and 1.19x against 1.42x and 1.31x with it: README, "Merging
 drafters".) ``joint_budget=false`` sends every member's draft whole.
 
+At temperature > 0 the default heads member drafts a sampled tree (its
+``when_sampling``), which is kept whole; suffix decoding's point masses are cut.
+
 Example: ``proposer=merge "proposer.members=[{name:suffix},{name:medusa,tree:dynamic,tree_budget:auto}]"``.
 """
 
