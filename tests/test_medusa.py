@@ -317,6 +317,8 @@ def test_dynamic_trees_draft_the_sampled_tree_when_sampling(base):
     assert sampled.parents == proposer._budget_tree()[2]
     kept = base.with_components({**spec, "when_sampling": "point_masses"}, "tree").proposer
     assert not kept.sampled and kept.propose(decode_state(base, prompt, sampling)).draft_probs is None
+    fewer = base.with_components({**spec, "num_heads": 1}, "tree").proposer  # the artifact's tree, cut to one head
+    assert fewer.tree is not None and set(fewer.tree[0]) == {0}
     with pytest.raises(ValueError, match="proposer.when_sampling must be sampled_tree or point_masses"):
         base.with_components({**spec, "when_sampling": "sometimes"}, "tree")
 

@@ -265,13 +265,9 @@ class MedusaProposer(Proposer):
             )
         # a dynamic tree's shape when sampling: the artifact's tree (none: the dynamic tree)
         sampled_shape = self.dynamic is not None and config.when_sampling == "sampled_tree"
-        choices = (
-            self.meta.get("tree")
-            if config.tree == "auto" or sampled_shape
-            else None
-            if self.dynamic
-            else config.tree
-        )
+        choices = self.meta.get("tree") if config.tree == "auto" else None if self.dynamic else config.tree
+        if sampled_shape and self.meta.get("tree"):  # as deep as the heads in use
+            choices = [path for path in self.meta["tree"] if len(path) <= self.num_heads]
         if config.tree == "auto" and not choices:
             raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
         self.tree = None if choices is None else build_tree(choices, self.num_heads)
