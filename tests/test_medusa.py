@@ -310,10 +310,10 @@ def test_dynamic_trees_draft_the_sampled_tree_when_sampling(base):
     proposer = base.with_components(spec, "tree").proposer
     assert proposer.sampled and proposer.tuner is not None
     greedy = proposer.propose(decode_state(base, prompt, SamplingConfig()))
-    assert greedy.draft_probs is None and proposer._sizer is proposer.dynamic
+    assert greedy.draft_probs is None and proposer.sizer is proposer.dynamic
     proposer.begin(None)
     sampled = proposer.propose(decode_state(base, prompt, sampling))
-    assert sampled.draft_probs is not None and proposer._sizer is proposer.tuner
+    assert sampled.draft_probs is not None and proposer.sizer is proposer.tuner
     assert sampled.parents == proposer._budget_tree()[2]
     kept = base.with_components({**spec, "when_sampling": "point_masses"}, "tree").proposer
     assert not kept.sampled and kept.propose(decode_state(base, prompt, sampling)).draft_probs is None

@@ -291,10 +291,9 @@ class MedusaProposer(Proposer):
             if config.adaptive and self.tree is None and self.dynamic is None
             else None
         )
-        # the sizer of the shape drafted (None: a fixed size); a dynamic tree's rounds drafted
-        # as a sampled tree go to the tuner
+        # the sizer of the shape drafted last (None: a fixed size), which learns from its round;
+        # a dynamic tree's rounds drafted as a sampled tree go to the tuner
         self.sizer: Sizer | None = self.dynamic or self.tuner or self.policy
-        self._sizer: Sizer | None = self.sizer  # the last round's
         self.memory: ContextMemory | None = None  # copy heads: the request's committed context
 
     @property
@@ -327,7 +326,7 @@ class MedusaProposer(Proposer):
         outputs = _HeadOutputs(self.heads, state, self.num_heads, self.memory)
         root = outputs.root()  # (n,) head 0's logits over the draft vocabulary
         if self.dynamic is not None and not (self.tree is not None and not sampling.greedy):
-            self._sizer = self.dynamic
+            self.sizer = self.dynamic
 
             def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
                 outputs.expand(frontier, rows, parents, depth)
@@ -336,7 +335,7 @@ class MedusaProposer(Proposer):
             draft = self.dynamic.build(root, expand, "Medusa heads")
             return Draft(outputs.token_ids(draft.tokens), draft.parents, values=draft.values)
         if self.tree is not None:
-            self._sizer = self.tuner
+            self.sizer = self.tuner
             return self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
         length = self.num_heads
         if self.policy is not None:  # the cut depends on q only: sampling stays lossless
@@ -392,8 +391,8 @@ class MedusaProposer(Proposer):
         return self._trees[paths]
 
     def observe(self, state, round: Round) -> None:
-        if self._sizer is not None:
-            self._sizer.observe(round)
+        if self.sizer is not None:
+            self.sizer.observe(round)
 
     def describe(self) -> dict:
         if self.dynamic is not None:
