@@ -24,7 +24,8 @@ the two sources are weighed separately, and a long match counts for more than a
 short one. The two trees are joined (a node present in both takes the better
 estimate) and the round keeps the n best nodes, n chosen from the target's cost
 T(n) and the drafting time by :func:`decoders.sizing.search.best_size`, down to no
-draft (with a one-node probe every ``explore_every`` rounds switched off).
+draft (with a one-node probe after ``explore_every`` rounds switched off, the wait
+doubling after each probe that leaves it off: :class:`decoders.sizing.search.Probe`).
 
 Nodes are chosen deterministically (``draft_probs`` None): every verifier treats
 them as point masses, so the proposer is lossless at any temperature. With
@@ -86,7 +87,7 @@ class SuffixProposer(Proposer):
         # earlier requests' prompts go into memory too; false: their outputs only (outputs
         # predict outputs; the current prompt is in the request's own index anyway)
         memory_prompts: bool = False
-        explore_every: int = 16  # rounds switched off (no draft) between two one-node probes
+        explore_every: int = 16  # rounds switched off (no draft) before a one-node probe (doubling, up to 8x)
         # nodes that continue the match's latest occurrence (prompt lookup's choice) are
         # calibrated apart from the others: recency as evidence beside frequency
         latest: bool = True

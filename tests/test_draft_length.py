@@ -14,12 +14,32 @@ def test_new_situation_drafts_in_full_then_follows_acceptance():
     for _ in range(50):
         policy.record("a", 5, 0)  # the first token is always rejected
     assert policy.rate("a", 1) < 0.05
-    choices = [policy.choose("a", 5) for _ in range(32)]
-    assert choices.count(0) == 30 and choices.count(1) == 2  # retried every 16th round
+    choices = [policy.choose("a", 5) for _ in range(16)]
+    assert choices == [0] * 15 + [1]  # retried after 16 rounds
     for _ in range(50):
         policy.record("b", 5, 5)  # always fully accepted
     assert policy.choose("b", 5) == 5
     assert policy.choose("b", 3) == 3  # never more than the candidates
+
+
+def test_probes_back_off_while_a_situation_stays_off_and_reset_when_it_pays():
+    """A probe that leaves its situation off doubles the wait before the next one (16, 32,
+    64, then 128 at most); a situation that pays again is probed at the base rate once it
+    is off again. Situations keep their own waits."""
+    policy = DraftLengthPolicy(4, lambda: curve(0.05))
+    for _ in range(50):
+        policy.record("a", 4, 0)
+    probes = [i for i in range(16 + 32 + 64 + 128 + 128 + 128) if policy.choose("a", 4)]
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    assert gaps == [16, 32, 64, 128, 128, 128]
+    assert policy.choose("b", 4) == 4  # another situation, optimistic until measured
+    for _ in range(200):
+        policy.record("a", 4, 4)  # "a" pays again
+    assert policy.choose("a", 4) == 4
+    for _ in range(10000):
+        policy.record("a", 4, 0)
+    assert policy.rate("a", 1) < 0.05
+    assert [policy.choose("a", 4) for _ in range(16)] == [0] * 15 + [1]  # base wait again
 
 
 def test_length_stops_where_acceptance_stops_paying():

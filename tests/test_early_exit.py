@@ -147,8 +147,8 @@ def test_kv_reuse_replaces_the_full_verification_pass(base, kv_reuse):
 
 def test_the_exit_stops_drafting_where_no_draft_can_pay(deep_model, deep_config, tmp_path, monkeypatch):
     """Drafting with every layer costs a full pass per drafted token, so no draft pays
-    though every one is accepted: the adaptive length is 0 but for a one-token probe
-    every 16 rounds, a round without a draft runs no layer while drafting, and the
+    though every one is accepted: the adaptive length is 0 but for one-token probes
+    (after 16 rounds, then 32, ...), a round without a draft runs no layer while drafting, and the
     output is standard decoding's. A shallow exit (a quarter of the cost) drafts."""
     model, tokenizer = deep_model
     flat = CostCurve({n: 0.01 for n in (1, 2, 4, 8)})

@@ -333,7 +333,7 @@ def test_trees_shrink_to_nothing_where_drafts_do_not_pay(tiny_pipeline, monkeypa
     """A periodic request is first drafted as a tree (acceptance is optimistic until
     measured); once its drafts are always rejected, and a node must be accepted 10% of
     the time to pay for a wider pass, the tree falls to no draft, with a one-node probe
-    every explore_every rounds."""
+    after explore_every rounds, then after twice as many (the probe left it off)."""
     dearer = CostCurve({1: 1.0, 2: 1.1, 32: 4.0})
     monkeypatch.setattr(PipelineContext, "cost_curve", lambda self: dearer)
     proposer = suffix_proposer(tiny_pipeline, memory_requests=0, explore_every=4)
@@ -344,7 +344,12 @@ def test_trees_shrink_to_nothing_where_drafts_do_not_pay(tiny_pipeline, monkeypa
         draft = proposer.propose(_State(stream))
         sizes.append(len(draft))
         proposer.observe(None, _accept_nothing(draft))
-    assert sizes[0] > 1 and set(sizes[-12:]) == {0, 1} and sizes[-12:].count(1) == 3
+    off = sizes.index(0)
+    assert sizes[0] > 1 and off < 30
+    probes = [i for i in range(off, 60) if sizes[i]]
+    assert set(sizes[i] for i in probes) == {1}
+    # probed after 4 rounds switched off, then 8, then 16 (each probe left it off)
+    assert [b - a for a, b in zip([off - 1] + probes, probes)] == [4, 8, 16]
 
 
 # ---------------------------------------------------------------- losslessness

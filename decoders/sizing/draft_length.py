@@ -12,7 +12,8 @@ L = 0 (a plain decoding step) wins when the candidates are rarely accepted.
 
 Rates are optimistic until measured (:meth:`AcceptanceStats.optimistic`: 1 for an
 untried depth), so a new situation is drafted in full, and a situation that was
-switched off is retried every ``explore_every`` rounds so that it can recover.
+switched off is retried after ``explore_every`` rounds so that it can recover (the
+wait doubling after each retry that left it off, :class:`decoders.sizing.search.Probe`).
 """
 
 from __future__ import annotations

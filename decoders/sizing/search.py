@@ -115,15 +115,34 @@ class Sizer:
 
 
 class Probe:
-    """Keeps measuring a situation sized to no draft: every ``every``-th such round
-    per key gets one node, so a situation that was switched off can recover."""
+    """Keeps measuring a situation sized to no draft, so that one switched off can recover:
+    after ``every`` such rounds of a key it gets one node. A probe that does not switch
+    its situation back on doubles the wait before the next one, up to ``every`` x
+    ``MAX_BACKOFF``; a round sized above zero resets it. A drafter that never pays (an
+    early exit at temperature 1, whose one-token probe costs 0.4 T(1) here) then pays
+    for a probe every 128 rounds, not every 16."""
+
+    MAX_BACKOFF = 8
 
     def __init__(self, every: int) -> None:
         self.every = every
-        self.skipped: Counter = Counter()
+        self.skipped: Counter = Counter()  # rounds sized to nothing since the last probe, per key
+        self.wait: dict[Hashable, int] = {}  # rounds between probes, per key (every when absent)
+        self._probed: set[Hashable] = set()  # keys whose last round was a probe
 
     def __call__(self, key: Hashable, size: int) -> int:
+        probed = key in self._probed
+        self._probed.discard(key)
         if size:
+            self.wait.pop(key, None)
+            self.skipped[key] = 0
             return size
+        wait = self.wait.get(key, self.every)
+        if probed:  # the probe was measured and the situation stays off
+            wait = self.wait[key] = min(2 * wait, self.every * self.MAX_BACKOFF)
         self.skipped[key] += 1
-        return 1 if self.skipped[key] % self.every == 0 else 0
+        if self.skipped[key] < wait:
+            return 0
+        self.skipped[key] = 0
+        self._probed.add(key)
+        return 1
