@@ -179,3 +179,51 @@ def test_whole_sequence_rows_are_the_position_rows():
     assert view["mask"][0, 0].tolist()[: length - 1] == [True, True, True] + [False] * (length - 4)
     # the second sequence (5 + 2 tokens) has one query; padding is never read
     assert view["mask"][1, 0].tolist() == [True] * 5 + [False] * (length - 6)
+
+
+def test_distilling_on_the_targets_distribution(tiny_model, tmp_path):
+    """drafter.distill_weight: the target's distributions are read at the position before
+    each label (its top tokens, renormalised), so a one-hot distribution on the label gives
+    the labels' loss exactly; the recipe trains end to end with it."""
+    from proposers.medusa.artifact import load_artifact
+    from train.medusa import copy_loss, target_distributions
+
+    model, _ = tiny_model
+    directory = train_tiny_medusa(tmp_path, ("drafter.copy_width=16", "drafter.distill_weight=0.5"))
+    lm_head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    heads = load_artifact(directory, lm_head, embeddings).heads
+    assert heads.copy is not None
+    torch.manual_seed(3)
+    prompt_lens, lengths = torch.tensor([3, 5, 1]), torch.tensor([9, 7, 5])
+    length = int(lengths.max())
+    hidden = torch.randn(3, length - 1, lm_head.weight.shape[1], dtype=torch.float64)
+    batch = {
+        "tokens": torch.randint(heads.vocab_size, (3, length)),
+        "hidden": hidden.half(),
+        "prompt_len": prompt_lens,
+        "length": lengths,
+    }
+    soft = target_distributions(lm_head, batch, top=4)
+    expected = torch.softmax(lm_head(batch["hidden"][0, 2:8].double()), -1).topk(4, dim=-1)
+    assert torch.equal(soft["soft_ids"][0, 2:8].long(), expected.indices)
+    torch.testing.assert_close(
+        soft["soft_probs"][0, 2:8].double(),
+        expected.values / expected.values.sum(-1, keepdim=True),
+        atol=1e-3,
+        rtol=1e-3,
+    )
+    assert not soft["soft_probs"][0, :2].any() and not soft["soft_probs"][1, 6:].any()  # prompt, padding
+    # one-hot on the token that follows each position: the labels' own loss
+    one_hot = {
+        "soft_ids": torch.cat(
+            [batch["tokens"][:, 1:, None], torch.zeros(3, length - 1, 3, dtype=torch.long)], -1
+        ),
+        "soft_probs": torch.tensor([1.0, 0.0, 0.0, 0.0]).expand(3, length - 1, 4).half(),
+    }
+    weights = torch.tensor([0.8**k for k in range(heads.num_heads)])
+    labels_only, _ = copy_loss(heads, heads, weights)(batch)
+    distilled, _ = copy_loss(heads, heads, weights, distill_weight=1.0)({**batch, **one_hot})
+    torch.testing.assert_close(distilled, labels_only)
+    shifted = {**one_hot, "soft_ids": one_hot["soft_ids"].roll(1, dims=1)}  # read one position off
+    off, _ = copy_loss(heads, heads, weights, distill_weight=1.0)({**batch, **shifted})
+    assert not torch.allclose(off, labels_only)

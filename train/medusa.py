@@ -69,6 +69,11 @@ class Config(FitConfig):
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
     head_decay: float = 0.8  # loss weight of head k is head_decay ** k
+    # copy heads: share of each head's loss taken on the target's own distribution over the
+    # token (its distill_top most likely tokens at temperature 1, renormalised) instead of
+    # the response's token alone (0 = the response's token only)
+    distill_weight: float = 0.0
+    distill_top: int = 8
     copy_width: int = 128  # copy heads: a pointer of this width into the context (proposers/copy_attention.py); 0 = plain heads
     copy_batch_size: int = 4  # copy heads: sequences per step (they train on whole sequences)
     tree_nodes: int = 16  # size of the default tree stored with the artifact
@@ -97,10 +102,19 @@ def train(job: TrainJob) -> Path:
     draft_vocab = draft_vocabulary(training, vocab_size, cfg.draft_vocab_size)
     heads, peft_heads = build_heads(lm_head, cfg, draft_vocab, embeddings)
     weights = torch.tensor([cfg.head_decay**k for k in range(cfg.num_heads)], device=heads.device)  # (K,)
+    if not 0.0 <= cfg.distill_weight <= 1.0 or cfg.distill_top < 1:
+        raise ValueError(
+            f"drafter.distill_weight must lie in [0, 1] and drafter.distill_top be >= 1, got "
+            f"{cfg.distill_weight} and {cfg.distill_top}"
+        )
+    if cfg.distill_weight and not cfg.copy_width:
+        raise ValueError("drafter.distill_weight > 0 needs copy heads (drafter.copy_width > 0)")
     if cfg.copy_width:
         rows = context_rows(job.pipeline, training)
         positions = int((rows["length"] - rows["prompt_len"] - 1).sum())
-        loss_fn = copy_loss(heads, peft_heads, weights)
+        if cfg.distill_weight:
+            rows.update(target_distributions(lm_head, rows, cfg.distill_top))
+        loss_fn = copy_loss(heads, peft_heads, weights, cfg.distill_weight)
         fit_cfg = replace(cfg, batch_size=cfg.copy_batch_size)
     else:
         rows = training_rows(training, cfg.num_heads)
@@ -307,6 +321,27 @@ def context_rows(pipeline, sequences: list[Sequence]) -> dict[str, torch.Tensor]
     }
 
 
+@torch.no_grad()
+def target_distributions(
+    lm_head: nn.Module, rows: dict[str, torch.Tensor], top: int
+) -> dict[str, torch.Tensor]:
+    """The target's next-token distribution at every response position of :func:`context_rows`,
+    from its cached final hidden states: soft_ids (S, L - 1, top) its ``top`` most likely
+    tokens at temperature 1 and soft_probs (S, L - 1, top) their probabilities, renormalised
+    over the ``top`` (zero at prompt and padding positions)."""
+    hidden = rows["hidden"]
+    ids = torch.zeros(*hidden.shape[:2], top, dtype=torch.int32)
+    probs = torch.zeros(*hidden.shape[:2], top, dtype=torch.float16)
+    weight = lm_head.weight.detach()
+    for i in tqdm(range(len(hidden)), desc="target distributions", unit="seq"):
+        start, end = int(rows["prompt_len"][i]) - 1, int(rows["length"][i]) - 1
+        logits = hidden[i, start:end].to(weight.device, weight.dtype) @ weight.T  # (n, vocab)
+        best = torch.softmax(logits.float(), -1).topk(top, dim=-1)
+        ids[i, start:end] = best.indices.cpu().to(torch.int32)
+        probs[i, start:end] = (best.values / best.values.sum(-1, keepdim=True)).cpu().to(torch.float16)
+    return {"soft_ids": ids, "soft_probs": probs}
+
+
 def sequence_views(batch: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
     """A batch of :func:`context_rows` as head rows and context: hidden (B, R, hidden)
     the h at each response position t that has a head-0 label, inputs and labels
@@ -328,7 +363,7 @@ def sequence_views(batch: dict[str, torch.Tensor], num_heads: int) -> dict[str, 
     ahead_tokens = torch.where(ahead < lengths[:, None, None], ahead_tokens, IGNORE)
     labels = torch.where(valid[..., None], ahead_tokens[..., 1:], IGNORE)  # (B, R, K)
     positions = torch.arange(length - 1)
-    return {
+    view = {
         "hidden": hidden.gather(1, t[..., None].expand(-1, -1, hidden.shape[-1])),  # (B, R, hidden)
         "inputs": torch.where(valid[..., None], ahead_tokens[..., :-1], IGNORE),  # (B, R, K) y_0 .. y_K-1
         "labels": labels,
@@ -339,6 +374,13 @@ def sequence_views(batch: dict[str, torch.Tensor], num_heads: int) -> dict[str, 
         "mask": (positions[None, None] <= t[..., None])
         & (positions[None, None] < (lengths - 1)[:, None, None]),
     }
+    if "soft_ids" in batch:  # the target's distribution over each label: at the position before it
+        at = ahead[..., :-1].clamp(max=length - 2).flatten(1)  # (B, R * K) positions t+1 .. t+K
+        for key in ("soft_ids", "soft_probs"):
+            table = batch[key][:, : length - 1]  # (B, L - 1, top)
+            picked = table.gather(1, at[..., None].expand(-1, -1, table.shape[-1]))
+            view[key] = picked.view(*labels.shape, table.shape[-1])  # (B, R, K, top)
+    return view
 
 
 def copy_forward(heads: MedusaHeads, forward: nn.Module, view: dict[str, torch.Tensor]):
@@ -356,10 +398,13 @@ def copy_forward(heads: MedusaHeads, forward: nn.Module, view: dict[str, torch.T
     )
 
 
-def copy_loss(heads: MedusaHeads, peft_heads: nn.Module, weights: torch.Tensor):
+def copy_loss(heads: MedusaHeads, peft_heads: nn.Module, weights: torch.Tensor, distill_weight: float = 0.0):
     """The loss of copy heads on whole sequences: sum_k weights[k] * the mean of
     -log p_k(label), p_k the mixture of head k and its pointer (labels outside the draft
-    vocabulary count too: the pointer can give them)."""
+    vocabulary count too: the pointer can give them). With ``distill_weight`` w, each
+    position's term is (1 - w) x that + w x the cross-entropy of p_k against the target's
+    own distribution there (:func:`target_distributions`, in the batch): what rejection
+    sampling accepts at temperature 1 is sum_x min(p(x), p_k(x)), not p_k(label)."""
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         view = sequence_views(batch, heads.num_heads)
@@ -369,7 +414,18 @@ def copy_loss(heads: MedusaHeads, peft_heads: nn.Module, weights: torch.Tensor):
         following = view["following"].to(heads.device)[:, None, None, :]  # (B, 1, 1, L - 1)
         probs = label_probability(logits, rows, pointer, gates, following, labels)  # (B, R, K)
         present = labels != IGNORE
-        losses = -torch.log(probs.clamp(min=1e-9)) * present
+        losses = -torch.log(probs.clamp(min=1e-9))
+        if distill_weight:
+            soft_ids = view["soft_ids"].to(heads.device).long()  # (B, R, K, top)
+            soft_probs = view["soft_probs"].to(heads.device).float()
+            soft = torch.zeros_like(losses)
+            for m in range(soft_ids.shape[-1]):
+                ids = soft_ids[..., m]
+                rows_m = vocab_index(ids.cpu(), heads.draft_vocab, heads.vocab_size).to(heads.device)
+                q = label_probability(logits, rows_m, pointer, gates, following, ids)
+                soft = soft - soft_probs[..., m] * torch.log(q.clamp(min=1e-9))
+            losses = (1 - distill_weight) * losses + distill_weight * soft
+        losses = losses * present
         counts = present.sum((0, 1)).clamp(min=1)  # (K,)
         per_head = losses.sum((0, 1)) / counts  # (K,)
         mean_probs = (probs.detach() * present).sum((0, 1)) / counts  # (K,)
