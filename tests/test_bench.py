@@ -235,3 +235,28 @@ def test_bench_pipelines_list_rejects_a_malformed_entry():
     for entry in ({"verifier": "greedy"}, 3):
         with pytest.raises(ValueError, match="bench.pipelines entry"):
             listed_pipeline(None, entry, None)
+
+
+def test_same_length_speedup_charges_each_pipeline_at_standard_decodings_lengths():
+    """A pipeline that decodes at standard decoding's rate but sampled a shorter answer
+    loses on tokens per second (its prefill spread over fewer tokens), not at equal
+    lengths; one that decodes twice as fast gains on both."""
+    from decoders.evaluation.metrics import pipeline_entry
+
+    def record(prompt, tokens, wall, prefill=1.0, category="c"):
+        return Record(prompt, category, 0, 0, tokens, wall, [], target_passes=1, prefill_time=prefill)
+
+    standard = [record("a", 40, 5.0), record("b", 40, 5.0, category="d")]  # 0.1 s a token
+    shorter = [record("a", 10, 2.0), record("b", 40, 5.0, category="d")]  # same rate, answer "a" short
+    faster = [record("a", 40, 3.0), record("b", 20, 2.0, category="d")]  # 0.05 s a token
+    short = pipeline_entry("short", "speculative", "x", "y", shorter, standard, greedy=False)
+    assert short["speedup"] < 0.9 and short["categories"]["c"]["speedup"] == 0.625
+    assert short["speedup_same_lengths"] == 1.0 and short["categories"]["c"]["speedup_same_lengths"] == 1.0
+    fast = pipeline_entry("fast", "speculative", "x", "y", faster, standard, greedy=False)
+    assert fast["speedup_same_lengths"] == 10.0 / 6.0  # (5 + 5) / (1 + 2 + 1 + 2)
+    assert fast["categories"]["d"]["speedup_same_lengths"] == 5.0 / 3.0
+    peer = [Record("a", "c", 0, 0, 40, 4.0, []), Record("b", "d", 0, 0, 40, 4.0, [])]  # no prefill timed
+    assert (
+        pipeline_entry("peer", "peer", None, None, peer, standard, greedy=False)["speedup_same_lengths"]
+        is None
+    )

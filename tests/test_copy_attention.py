@@ -191,8 +191,11 @@ def test_distilling_on_the_targets_distribution(tiny_model, tmp_path):
     model, _ = tiny_model
     directory = train_tiny_medusa(tmp_path, ("drafter.copy_width=16", "drafter.distill_weight=0.5"))
     lm_head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    heads = load_artifact(directory, lm_head, embeddings).heads
+    artifact = load_artifact(directory, lm_head, embeddings)
+    heads = artifact.heads
     assert heads.copy is not None
+    sampled = artifact.meta["metrics"]["sampled_acceptance"]  # T=1 acceptance per head, held out
+    assert len(sampled) == heads.num_heads and all(0 < a <= 1 for a in sampled)
     torch.manual_seed(3)
     prompt_lens, lengths = torch.tensor([3, 5, 1]), torch.tensor([9, 7, 5])
     length = int(lengths.max())

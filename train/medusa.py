@@ -364,6 +364,7 @@ def sequence_views(batch: dict[str, torch.Tensor], num_heads: int) -> dict[str, 
     labels = torch.where(valid[..., None], ahead_tokens[..., 1:], IGNORE)  # (B, R, K)
     positions = torch.arange(length - 1)
     view = {
+        "ahead": ahead,  # (B, R, K + 1) positions t+1 .. t+K+1
         "hidden": hidden.gather(1, t[..., None].expand(-1, -1, hidden.shape[-1])),  # (B, R, hidden)
         "inputs": torch.where(valid[..., None], ahead_tokens[..., :-1], IGNORE),  # (B, R, K) y_0 .. y_K-1
         "labels": labels,
@@ -447,18 +448,27 @@ def evaluate(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, pipelin
     """Per-head accuracies on ``sequences``: top1, top5, rank_accuracy[k][r] (head k's
     rank-r token is right), chain_tau (tokens per pass of a greedy chain), and the
     draft vocabulary's coverage of the response tokens. Copy heads are ranked by their
-    mixture with the pointer and need the ``pipeline`` (for the prompts' hidden states)."""
+    mixture with the pointer and need the ``pipeline`` (for the prompts' hidden states);
+    for them, sampled_acceptance[k] is the mean of sum_x min(p(x), q_k(x)) over head k's
+    labels, p the target's distribution there at temperature 1 and q_k the head's: the
+    chance that rejection sampling accepts a node drafted from q_k, given the right
+    earlier tokens (teacher-forced), what temperature 1 gets per depth."""
     rank_hits = torch.zeros(cfg.num_heads, cfg.top_ranks)  # (K, ranks)
     label_counts = torch.zeros(cfg.num_heads)  # (K,)
     accepted, positions = 0.0, 0
-    for ranked, labels in _ranked_tokens(heads, sequences, cfg, pipeline):
+    sampled_sum, sampled_count = torch.zeros(cfg.num_heads), torch.zeros(cfg.num_heads)
+    for ranked, labels, sampled in _ranked_tokens(heads, sequences, cfg, pipeline):
+        if sampled is not None:
+            present = labels != IGNORE
+            sampled_sum += (sampled * present).sum(0)
+            sampled_count += present.sum(0)
         hits = ranked == labels[..., None]  # (N, K, ranks); IGNORE never matches
         rank_hits += hits.sum(0)
         label_counts += (labels != IGNORE).sum(0)
         accepted += float(hits[..., 0].long().cumprod(dim=1).sum())  # leading heads that are right
         positions += len(labels)
     rank_accuracy = rank_hits / label_counts.clamp(min=1)[:, None]  # (K, ranks)
-    return {
+    metrics = {
         "positions": positions,
         "top1": [round(float(a), 4) for a in rank_accuracy[:, 0]],
         "top5": [round(float(a), 4) for a in rank_accuracy[:, :5].sum(1)],
@@ -466,6 +476,9 @@ def evaluate(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, pipelin
         "chain_tau": round(1 + accepted / max(positions, 1), 4),
         "draft_vocab_coverage": round(coverage(heads.draft_vocab, sequences), 4),
     }
+    if sampled_count.any():  # copy heads: sum_x min(p(x), q_k(x)), p the target's at temperature 1
+        metrics["sampled_acceptance"] = [round(float(a), 4) for a in sampled_sum / sampled_count.clamp(min=1)]
+    return metrics
 
 
 def _ranked_tokens(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, pipeline):
@@ -481,11 +494,12 @@ def _ranked_tokens(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, p
             ranked = heads(hidden, inputs).topk(cfg.top_ranks, dim=-1).indices.cpu()  # (B, K, ranks) rows
             if heads.draft_vocab is not None:
                 ranked = heads.draft_vocab.cpu()[ranked]  # token ids
-            yield ranked, rows["labels"][start : start + cfg.eval_batch_size]
+            yield ranked, rows["labels"][start : start + cfg.eval_batch_size], None
         return
     if pipeline is None:
         raise ValueError("evaluating copy heads needs the pipeline (the prompts' hidden states)")
     rows = context_rows(pipeline, sequences)
+    lm_head = pipeline.model.get_output_embeddings()
     per_batch = max(1, cfg.eval_batch_size // 128)  # sequences per batch, ~128 response positions each
     for start in range(0, len(rows["tokens"]), per_batch):
         view = sequence_views(
@@ -494,7 +508,8 @@ def _ranked_tokens(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, p
         logits, pointer, gates = copy_forward(heads, heads, view)
         valid = view["labels"][..., 0] != IGNORE  # (B, R)
         following = view["following"].to(heads.device)  # (B, L - 1)
-        ranked = []
+        ranked, sampled = [], []
+        at = view["ahead"][..., :-1].clamp(max=view["hidden_all"].shape[1] - 1)  # (B, R, K)
         for k in range(cfg.num_heads):
             probs = torch.stack(
                 [
@@ -510,13 +525,27 @@ def _ranked_tokens(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, p
                 ]
             )  # (B, R, vocab)
             ranked.append(probs.topk(cfg.top_ranks, dim=-1).indices.cpu())  # (B, R, ranks)
-        yield torch.stack(ranked, dim=2)[valid], view["labels"][valid]  # (N, K, ranks), (N, K)
+            # the target's distribution over head k's label: its state at the position before it
+            before = view["hidden_all"].gather(
+                1, at[..., k, None].expand(-1, -1, view["hidden_all"].shape[-1])
+            )
+            target = torch.softmax(
+                lm_head(before.to(lm_head.weight.device, lm_head.weight.dtype)).float(), -1
+            )
+            sampled.append(torch.minimum(target, probs.float()).sum(-1).cpu())  # (B, R)
+        # (N, K, ranks), (N, K), (N, K) the chance a node sampled from q_k is accepted at temperature 1
+        yield torch.stack(ranked, dim=2)[valid], view["labels"][valid], torch.stack(sampled, dim=2)[valid]
 
 
 def format_metrics(metrics: dict) -> str:
     return (
         f"{metrics['positions']} positions, top-1 per head {metrics['top1']}, top-5 {metrics['top5']}, "
         f"chain tau {metrics['chain_tau']}, draft vocabulary coverage {metrics['draft_vocab_coverage']}"
+        + (
+            f", sampled acceptance per head {metrics['sampled_acceptance']}"
+            if "sampled_acceptance" in metrics
+            else ""
+        )
     )
 
 

@@ -378,6 +378,20 @@ def format_table(payload: dict) -> str:
             f"{fmt(e['ideal_speedup'], '5.2f') + ('x' if e['ideal_speedup'] else ''):>6} "
             f"{fmt(e['efficiency'], '5.2f'):>5}"
         )
+    if payload["temperature"] > 0:  # sampled answers differ in length: metrics.same_length_speedup
+        lines.append(
+            "speedup had every answer been as long as standard decoding's (overall; lowest category):"
+        )
+        for e in payload["pipelines"]:
+            same = e.get("speedup_same_lengths")
+            if same is None or e["kind"] == "standard":
+                continue
+            by_category = {c: v.get("speedup_same_lengths") for c, v in e["categories"].items()}
+            low = min(
+                (c for c in by_category if by_category[c] is not None), key=by_category.get, default=None
+            )
+            lowest = f"; {low} {by_category[low]:.2f}x" if low else ""
+            lines.append(f"  {e['name']:<26} {same:.2f}x{lowest}")
     return "\n".join(lines)
 
 

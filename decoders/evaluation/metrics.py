@@ -12,6 +12,13 @@ curve T(n) (decoders/models/cost.py):
     ideal_speedup         tau * T(1) / (T(draft size + 1) + draft seconds), per round:
                           (P + E * T(1)) / (P + sum over rounds of T(n_r + 1) + D)
     efficiency            speedup / ideal_speedup
+    speedup_same_lengths  the speedup had every request of a pipeline been as long as
+                          standard decoding's: sum of standard's wall seconds / sum of
+                          (P + decode seconds x standard's tokens / own tokens), prompt by
+                          prompt. Equal to ``speedup`` when the outputs are as long (greedy);
+                          at temperature > 0 each pipeline samples its own answers, and a
+                          shorter one pays its prefill over fewer tokens, a noise that
+                          swamps a category of two prompts. None for peers (no P measured).
 
 (E: tokens emitted by the rounds, n_r: round r's draft size, D: drafting seconds,
 P: prefill seconds, which both sides pay, as tokens_per_s counts them.)
@@ -101,6 +108,7 @@ def pipeline_entry(
         "new_tokens": overall["new_tokens"],
         "wall_time": overall["wall_time"],
     }
+    entry["speedup_same_lengths"] = same_length_speedup(records, baseline)
     entry.update(repeat_spread(records, baseline))
     categories = {
         category: compared(records, baseline, lambda c, category=category: c == category)
@@ -123,8 +131,26 @@ def compared(records: list[Record], baseline: list[Record], keep: Callable[[str]
     return {
         "tokens_per_s": mine["tokens_per_s"],
         "speedup": _ratio(mine["tokens_per_s"], theirs["tokens_per_s"]) or 0.0,
+        "speedup_same_lengths": same_length_speedup(
+            [r for r in records if keep(r.category)], [r for r in baseline if keep(r.category)]
+        ),
         "mean_accepted_tokens": mine["mean_accepted_tokens"],
     }
+
+
+def same_length_speedup(records: list[Record], baseline: list[Record]) -> float | None:
+    """Standard decoding's seconds over this pipeline's had its outputs been standard's
+    length: each record's prefill plus its decode seconds scaled by standard's tokens over
+    its own, matched by (prompt, turn, repeat). None without prefill times or a match."""
+    base = {(r.prompt_id, r.turn, r.repeat): r for r in baseline}
+    theirs = mine = 0.0
+    for r in records:
+        b = base.get((r.prompt_id, r.turn, r.repeat))
+        if b is None or r.prefill_time is None or not r.new_tokens:
+            return None
+        theirs += b.wall_time
+        mine += r.prefill_time + (r.wall_time - r.prefill_time) * b.new_tokens / r.new_tokens
+    return _ratio(theirs, mine) if records else None
 
 
 def repeat_spread(records: list[Record], baseline: list[Record]) -> dict:
