@@ -364,7 +364,8 @@ def sequence_views(batch: dict[str, torch.Tensor], num_heads: int) -> dict[str, 
     labels = torch.where(valid[..., None], ahead_tokens[..., 1:], IGNORE)  # (B, R, K)
     positions = torch.arange(length - 1)
     view = {
-        "ahead": ahead,  # (B, R, K + 1) positions t+1 .. t+K+1
+        # (B, R, K) t+1 .. t+K: the position whose target state predicts each label
+        "label_from": ahead[..., :-1].clamp(max=length - 2),
         "hidden": hidden.gather(1, t[..., None].expand(-1, -1, hidden.shape[-1])),  # (B, R, hidden)
         "inputs": torch.where(valid[..., None], ahead_tokens[..., :-1], IGNORE),  # (B, R, K) y_0 .. y_K-1
         "labels": labels,
@@ -375,8 +376,8 @@ def sequence_views(batch: dict[str, torch.Tensor], num_heads: int) -> dict[str, 
         "mask": (positions[None, None] <= t[..., None])
         & (positions[None, None] < (lengths - 1)[:, None, None]),
     }
-    if "soft_ids" in batch:  # the target's distribution over each label: at the position before it
-        at = ahead[..., :-1].clamp(max=length - 2).flatten(1)  # (B, R * K) positions t+1 .. t+K
+    if "soft_ids" in batch:  # the target's distribution over each label
+        at = view["label_from"].flatten(1)  # (B, R * K)
         for key in ("soft_ids", "soft_probs"):
             table = batch[key][:, : length - 1]  # (B, L - 1, top)
             picked = table.gather(1, at[..., None].expand(-1, -1, table.shape[-1]))
@@ -509,7 +510,7 @@ def _ranked_tokens(heads: MedusaHeads, sequences: list[Sequence], cfg: Config, p
         valid = view["labels"][..., 0] != IGNORE  # (B, R)
         following = view["following"].to(heads.device)  # (B, L - 1)
         ranked, sampled = [], []
-        at = view["ahead"][..., :-1].clamp(max=view["hidden_all"].shape[1] - 1)  # (B, R, K)
+        at = view["label_from"]  # (B, R, K)
         for k in range(cfg.num_heads):
             probs = torch.stack(
                 [
