@@ -103,7 +103,7 @@ class SuffixProposer(Proposer):
                 f"got {config.memory_requests} and {config.memory_tokens}"
             )
         self.depth = config.max_match + config.k  # a match and its continuation fit in the index
-        self.calibration = AcceptanceStats.confident()  # keys: source_key(...)
+        self.calibration = AcceptanceStats.confident(by_level=True)  # keys: source_key(...)
         self.sizer = Sizer()  # drafting seconds per round
         self._loaded = self._load_memory()  # the memory file's requests, what forget() returns to
         self.memory = self._memory_of(self._loaded)

@@ -131,6 +131,27 @@ def test_calibration_counts_tried_and_accepted_nodes():
     assert calibration.tried[(1, 5)] == 2 and calibration.tried[(0, 9)] == 2
 
 
+def test_by_level_prices_an_untried_depth_from_the_level_above():
+    plain = AcceptanceStats.confident(buckets=10)
+    stats = AcceptanceStats.confident(buckets=10, by_level=True)
+    chain = Draft([1, 2, 3], [-1, 0, 1])
+    keys = [(0, 5, "request"), (1, 5, "request"), (2, 5, "request")]
+    for calibration in (plain, stats):
+        for _ in range(40):
+            calibration.record(chain, keys, path=[0, 1, 2])  # every level accepted every time
+    # depth 0 reads the same either way; untried situations keep the bucket's middle
+    assert stats.rate((0, 5, "request")) == pytest.approx(plain.rate((0, 5, "request")))
+    assert stats.rate((0, 2, "memory")) == pytest.approx(0.25) == plain.rate((0, 2, "memory"))
+    # depth 3 was never tried: the bucket's middle alone, or the level above's measured rate
+    assert plain.rate((3, 5, "request")) == pytest.approx(0.55)
+    assert stats.rate((3, 5, "request")) == pytest.approx(stats.rate((2, 5, "request")))
+    assert stats.rate((3, 5, "request")) > 0.95
+    # a deep node that then fails pulls its own rate down from that prior
+    for _ in range(8):
+        stats.record(Draft([1, 2, 3, 4], [-1, 0, 1, 2]), keys + [(3, 5, "request")], path=[0, 1, 2])
+    assert stats.rate((3, 5, "request")) < 0.4
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="tree_width"):
         DynamicTree(width=0, depth=3, budget=4, target_cost=flat_then_steep)

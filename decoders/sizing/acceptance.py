@@ -23,7 +23,11 @@ with ``w`` pseudo-observations at the prior rate. One prior convention per use:
   so a few unlucky tries must not rule a level out for good;
 * :meth:`AcceptanceStats.confident` (w = 4, prior the middle of the key's
   confidence bucket): the drafter is taken at its word until measured (dynamic
-  trees, suffix trees).
+  trees); with ``by_level`` (suffix trees) a key below depth 0 starts instead from
+  the rate measured one level up in the same situation, so a situation whose
+  shallow nodes are measured at 0.96 does not price its first deep node at the
+  bucket's middle: copying that has held for three tokens tends to go on, and a
+  deep node priced low is never sent, so never measured.
 
 Treating levels as independent, a node is accepted with the product of its and its
 ancestors' rates (:meth:`path_values`); a chain is the tree whose every node has one
@@ -81,9 +85,22 @@ class AcceptanceStats:
         return stats
 
     @classmethod
-    def confident(cls, buckets: int = CONFIDENCE_BUCKETS, weight: float = 4.0) -> AcceptanceStats:
-        """Keys (depth, confidence bucket, ...): ``weight`` observations at the bucket's middle."""
-        return cls(lambda key: (key[1] + 0.5) / buckets, weight)
+    def confident(
+        cls, buckets: int = CONFIDENCE_BUCKETS, weight: float = 4.0, by_level: bool = False
+    ) -> AcceptanceStats:
+        """Keys (depth, confidence bucket, ...): ``weight`` observations at the bucket's middle,
+        or (``by_level``, depth > 0) at the rate of the same key one level up, whose own
+        prior goes up in turn to depth 0's bucket middle."""
+        stats = cls(lambda key: (key[1] + 0.5) / buckets, weight)
+        if by_level:
+
+            def prior(key) -> float:
+                if key[0] > 0:
+                    return stats.rate((key[0] - 1, *key[1:]))
+                return (key[1] + 0.5) / buckets
+
+            stats.prior = prior
+        return stats
 
     def rate(self, key: Hashable) -> float:
         tried = self.tried[key] + self.weight
