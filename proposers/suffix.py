@@ -19,7 +19,8 @@ nodes like it were accepted, counted per (depth, share of the occurrences that
 continued with its token (smoothed: count / (occurrences + 1)), source,
 match-length bucket, whether it continues the match's latest occurrence as
 prompt lookup would) in an :class:`decoders.sizing.acceptance.AcceptanceStats`
-(the confident convention: the frequency is taken at its word until measured):
+(the confident convention: the frequency is taken at its word until measured,
+and a depth not yet tried starts from the rate measured one level up):
 the two sources are weighed separately, and a long match counts for more than a
 short one. The two trees are joined (a node present in both takes the better
 estimate) and the round keeps the n best nodes, n chosen from the target's cost

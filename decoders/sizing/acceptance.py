@@ -91,15 +91,12 @@ class AcceptanceStats:
         """Keys (depth, confidence bucket, ...): ``weight`` observations at the bucket's middle,
         or (``by_level``, depth > 0) at the rate of the same key one level up, whose own
         prior goes up in turn to depth 0's bucket middle."""
-        stats = cls(lambda key: (key[1] + 0.5) / buckets, weight)
+        def middle(key) -> float:
+            return (key[1] + 0.5) / buckets
+
+        stats = cls(middle, weight)
         if by_level:
-
-            def prior(key) -> float:
-                if key[0] > 0:
-                    return stats.rate((key[0] - 1, *key[1:]))
-                return (key[1] + 0.5) / buckets
-
-            stats.prior = prior
+            stats.prior = lambda key: stats.rate((key[0] - 1, *key[1:])) if key[0] > 0 else middle(key)
         return stats
 
     def rate(self, key: Hashable) -> float:
