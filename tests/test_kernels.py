@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from decoders.models.kernels import route_narrow_linears, wants_narrow_routing
+from decoders.models.kernels import (
+    PACKED_FROM,
+    packed_route_available,
+    route_narrow_linears,
+    wants_narrow_routing,
+)
 from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
 
@@ -19,6 +24,33 @@ def test_routed_linear_computes_the_same_product(rows, bias):
     got = layer(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not packed_route_available(), reason="no oneDNN in this PyTorch build")
+def test_packed_route_serves_wide_float32_passes_and_follows_weight_changes():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40)
+    route_narrow_linears(layer)
+    narrow, wide = torch.randn(PACKED_FROM - 1, 24), torch.randn(PACKED_FROM + 3, 24)
+    with torch.no_grad():
+        layer(narrow)
+        assert not hasattr(layer, "_packed")  # below PACKED_FROM: the transposed product
+        torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias))
+        assert hasattr(layer, "_packed")
+        layer.weight.mul_(2)  # changed in place: the packed copy must not go stale
+        torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias))
+    # with autograd on, the product stays one autograd can differentiate
+    out = layer(wide)
+    out.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_packed_route_can_be_left_off():
+    layer = torch.nn.Linear(24, 40)
+    route_narrow_linears(layer, packed_from=None)
+    with torch.no_grad():
+        layer(torch.randn(PACKED_FROM + 3, 24))
+    assert not hasattr(layer, "_packed")
 
 
 def test_padding_widths():

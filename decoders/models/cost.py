@@ -124,8 +124,9 @@ def measure_cost_curve(
 # Bumped when the pass routing (decoders/models/kernels.py) changes what a pass costs,
 # so that curves cached under older kernels are measured again. 2: single rows on the
 # narrow route, its products over row-major inputs. 3: exact mode's default route computes
-# passes wider than its measured widest invariant product in blocks.
-KERNELS_VERSION = 3
+# passes wider than its measured widest invariant product in blocks. 4: float32 passes of
+# 5 rows and more on oneDNN's packed linear.
+KERNELS_VERSION = 4
 
 DISTURBED = 1.25  # a sweep whose median pass took this much longer than its fastest is not cached
 
