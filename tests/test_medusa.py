@@ -196,7 +196,9 @@ def test_sampled_drafts_carry_each_heads_distribution(base, siblings):
         for node in range(len(draft)):
             logits = reference_logits(proposer.heads, state, ancestors(draft, node))
             expected = processed_probs(logits, sampling)
-            earlier = [s for s in draft.children[draft.parents[node] + 1] if s < node]  # siblings drawn before
+            earlier = [
+                s for s in draft.children[draft.parents[node] + 1] if s < node
+            ]  # siblings drawn before
             if siblings == "without_replacement" and earlier:
                 expected[[draft.tokens[s] for s in earlier]] = 0.0
                 expected /= expected.sum()
@@ -262,13 +264,23 @@ def test_greedy_output_equals_standard_decoding(drafting_pays, base, proposer, v
     ("proposer", "verifier"),
     [
         ("medusa", "rejection"),
-        ({"name": "medusa", "tree": "dynamic", "tree_budget": "auto", "when_sampling": "point_masses"}, "tree"),
+        (
+            {"name": "medusa", "tree": "dynamic", "tree_budget": "auto", "when_sampling": "point_masses"},
+            "tree",
+        ),
         ({"name": "medusa", "tree": "dynamic", "tree_budget": "auto"}, "tree"),
         ({"name": "medusa", "tree": TREE, "tree_budget": "auto"}, "tree"),
         ({"name": "medusa", "tree": TREE, "sibling_sampling": "iid"}, "tree"),
         ({"name": "merge", "members": ["medusa", "ngram"]}, "tree"),
     ],
-    ids=["chain-rejection", "dynamic-tree", "dynamic-as-sampled-tree", "sampled-tree", "sampled-tree-iid", "merged-with-ngram"],
+    ids=[
+        "chain-rejection",
+        "dynamic-tree",
+        "dynamic-as-sampled-tree",
+        "sampled-tree",
+        "sampled-tree-iid",
+        "merged-with-ngram",
+    ],
 )
 def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, verifier):
     """Drafted tokens (from the second generated one on) follow the target's
@@ -317,7 +329,9 @@ def test_dynamic_trees_draft_the_sampled_tree_when_sampling(base):
     assert sampled.parents == proposer._budget_tree()[2]
     kept = base.with_components({**spec, "when_sampling": "point_masses"}, "tree").proposer
     assert not kept.sampled and kept.propose(decode_state(base, prompt, sampling)).draft_probs is None
-    fewer = base.with_components({**spec, "num_heads": 1}, "tree").proposer  # the artifact's tree, cut to one head
+    fewer = base.with_components(
+        {**spec, "num_heads": 1}, "tree"
+    ).proposer  # the artifact's tree, cut to one head
     assert fewer.tree is not None and set(fewer.tree[0]) == {0}
     with pytest.raises(ValueError, match="proposer.when_sampling must be sampled_tree or point_masses"):
         base.with_components({**spec, "when_sampling": "sometimes"}, "tree")

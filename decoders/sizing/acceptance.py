@@ -91,6 +91,7 @@ class AcceptanceStats:
         """Keys (depth, confidence bucket, ...): ``weight`` observations at the bucket's middle,
         or (``by_level``, depth > 0) at the rate of the same key one level up, whose own
         prior goes up in turn to depth 0's bucket middle."""
+
         def middle(key) -> float:
             return (key[1] + 0.5) / buckets
 

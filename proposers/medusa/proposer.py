@@ -368,7 +368,9 @@ class MedusaProposer(Proposer):
                 for i, r in zip(level, row):
                     tokens[i] = int(top[r, ranks[i]])
             else:  # (P, rows) float32, one row per parent; siblings in draft (rank) order
-                for i, (token, p) in zip(level, draw_siblings(processed_probs(logits, sampling), row, iid, generator)):
+                for i, (token, p) in zip(
+                    level, draw_siblings(processed_probs(logits, sampling), row, iid, generator)
+                ):
                     tokens[i], probs[i] = token, p
             outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
         draft_probs = None if sampling.greedy else outputs.full_rows(torch.stack(probs))  # (nodes, vocab)
