@@ -188,3 +188,40 @@ def test_truncate_rolls_back_to_a_fresh_run(model) -> None:
     )
     session.truncate(100)  # past the end: a no-op
     assert session.cached == PREFIX + [10, 20, 21]
+
+
+def test_growing_cache_matches_transformers_cache_through_rounds(model):
+    """The in-place cache (decoders/models/kv_cache.py) gives the logits transformers'
+    concatenating cache gives, through chain and tree passes, keep() and truncate(),
+    past its first buffer's capacity; a cut is written over in place, not reallocated."""
+    from transformers import DynamicCache
+
+    from decoders.models.kv_cache import MIN_CAPACITY, GrowingLayer
+
+    growing, plain = ModelSession(model), ModelSession(model)
+    plain.cache = DynamicCache(config=model.config)
+    assert all(type(layer) is GrowingLayer for layer in growing.cache.layers)
+    rng = random.Random(0)
+    prompt = [rng.randrange(VOCAB) for _ in range(40)]
+    torch.testing.assert_close(growing.forward(prompt), plain.forward(prompt), **TIGHT)
+    parents = [-1, 0, 0, 1, 2]
+    first_capacity = growing.cache.layers[0]._key_buffer.shape[-2]
+    assert first_capacity >= MIN_CAPACITY
+    while len(growing) < first_capacity + 10:  # crosses the first buffer's end
+        start = len(growing)
+        tokens = [rng.randrange(VOCAB) for _ in parents]
+        torch.testing.assert_close(growing.forward(tokens, parents), plain.forward(tokens, parents), **TIGHT)
+        kept = [0, 2]  # a path that is not a prefix of the pass: moved into place
+        growing.keep(start, kept)
+        plain.keep(start, kept)
+        chain = [rng.randrange(VOCAB) for _ in range(3)]
+        torch.testing.assert_close(growing.forward(chain), plain.forward(chain), **TIGHT)
+        growing.truncate(len(growing) - 1)
+        plain.truncate(len(plain) - 1)
+    assert growing.cached == plain.cached
+    layer = growing.cache.layers[0]
+    assert layer._key_buffer.shape[-2] > first_capacity
+    buffer = layer._key_buffer.data_ptr()
+    growing.truncate(len(growing) - 5)
+    growing.forward([1, 2])
+    assert layer._key_buffer.data_ptr() == buffer and layer.keys.data_ptr() == buffer

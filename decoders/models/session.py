@@ -14,13 +14,15 @@ it after verification:
   moves the accepted ones into place; :meth:`truncate` is the chain rollback.
 
 Works with models whose decoder returns ``last_hidden_state`` and whose cache is
-a ``DynamicCache`` of full-attention layers (Llama, Mistral, Qwen, SmolLM...).
+a ``DynamicCache`` of full-attention layers (Llama, Mistral, Qwen, SmolLM...); their
+layers append in place (:mod:`decoders.models.kv_cache`).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+
+from decoders.models.kv_cache import growing_cache
 
 
 class ModelSession:
@@ -34,7 +36,7 @@ class ModelSession:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = growing_cache(self.model.config)
         self.cached: list[int] = []  # token ids whose KV entries are in the cache
         self.hidden: torch.Tensor | None = None  # (q, hidden) final hidden states of the last pass
 
