@@ -275,10 +275,23 @@ def packed_gqa_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     kv_heads = heads // groups
     packed_query = query.reshape(batch, kv_heads, groups * q_len, dim)  # rows: (group, position)
-    packed_mask = attention_mask.repeat(1, 1, groups, 1)  # (batch, 1, groups * q, kv)
+    packed_mask = _tiled_mask(attention_mask, groups)  # (batch, 1, groups * q, kv)
     out = F.scaled_dot_product_attention(packed_query, key, value, attn_mask=packed_mask, scale=scaling)
     out = out.reshape(batch, heads, q_len, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
+
+
+_TILED: list = [None, 0, None]  # the last mask tiled: [mask, groups, tiled mask]
+
+
+def _tiled_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """``mask`` repeated ``groups`` times along the query rows, tiled once per pass: every
+    layer of a pass gets the same mask object, so the layers after the first reuse it."""
+    last, last_groups, tiled = _TILED
+    if last is not mask or last_groups != groups:
+        tiled = mask.repeat(1, 1, groups, 1)
+        _TILED[:] = [mask, groups, tiled]
+    return tiled
 
 
 def use_packed_gqa_attention(model: torch.nn.Module) -> bool:
