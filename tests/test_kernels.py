@@ -45,6 +45,16 @@ def test_packed_route_serves_wide_float32_passes_and_follows_weight_changes():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.skipif(not packed_route_available(), reason="no oneDNN in this PyTorch build")
+def test_packed_route_takes_weights_made_in_inference_mode():
+    with torch.inference_mode():  # an inference tensor keeps no version counter
+        layer = torch.nn.Linear(24, 40)
+        route_narrow_linears(layer)
+        x = torch.randn(PACKED_FROM + 3, 24)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert hasattr(layer, "_packed")
+
+
 def test_packed_route_can_be_left_off():
     layer = torch.nn.Linear(24, 40)
     route_narrow_linears(layer, packed_from=None)

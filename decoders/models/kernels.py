@@ -89,7 +89,8 @@ def _packed_weight(module: torch.nn.Linear) -> torch.Tensor | None:
     weight = module.weight
     if weight.dtype != torch.float32 or (torch.is_grad_enabled() and weight.requires_grad):
         return None
-    stamp = (weight.data_ptr(), weight._version)
+    # inference tensors keep no version counter: their storage alone identifies them
+    stamp = (weight.data_ptr(), None if weight.is_inference() else weight._version)
     if getattr(module, "_packed_stamp", None) != stamp:
         module._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         module._packed_stamp = stamp
