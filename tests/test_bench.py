@@ -237,6 +237,28 @@ def test_bench_pipelines_list_rejects_a_malformed_entry():
             listed_pipeline(None, entry, None)
 
 
+def test_bench_pipelines_that_differ_by_options_get_names_of_their_own():
+    """Results are kept by name: two unlabelled entries of one proposer with different
+    options must not pool their records under "proposer+verifier"."""
+    from decoders.engine.pipeline import Pipeline
+    from decoders.evaluation.benchmark import listed_pipeline, with_unique_names
+    from decoders.models.loading import ModelConfig, load_model
+
+    model_cfg = ModelConfig(name="tiny-random", dtype="float64")
+    target, tokenizer = load_model(model_cfg)
+    base = Pipeline(target, tokenizer, model_config=model_cfg)
+    entries = [
+        {"proposer": "ngram", "verifier": "greedy"},
+        {"proposer": {"name": "ngram", "k": 2}, "verifier": "greedy"},
+        {"proposer": {"name": "ngram", "k": 3}, "verifier": "greedy", "label": "mine"},
+    ]
+    pipelines = with_unique_names([listed_pipeline(base, e, None) for e in entries], entries)
+    assert [p.name for p in pipelines] == ["ngram+greedy", "ngram(k=2)+greedy", "mine"]
+    twins = [{"proposer": {"name": "ngram", "k": 2}, "verifier": "greedy"}] * 2
+    with pytest.raises(ValueError, match="give each a label"):
+        with_unique_names([listed_pipeline(base, e, None) for e in twins], twins)
+
+
 def test_same_length_speedup_charges_each_pipeline_at_standard_decodings_lengths():
     """A pipeline that decodes at standard decoding's rate but sampled a shorter answer
     loses on tokens per second (its prefill spread over fewer tokens), not at equal

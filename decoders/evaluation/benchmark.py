@@ -118,7 +118,8 @@ def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
     if listed:
         if proposer_cfg is not None:
             raise ValueError("give either proposer=/verifier= or bench.pipelines=[...], not both")
-        return [listed_pipeline(base, entry, verifier_cfg) for entry in listed]  # type: ignore[union-attr]
+        pipelines = [listed_pipeline(base, entry, verifier_cfg) for entry in listed]  # type: ignore[union-attr]
+        return with_unique_names(pipelines, listed)  # type: ignore[arg-type]
     if proposer_cfg is not None:
         return [base.with_components(proposer_cfg, verifier_cfg)]
     defaults = OmegaConf.to_container(cfg.bench.default_pipelines, resolve=True) or []
@@ -154,6 +155,27 @@ def listed_pipeline(base: Pipeline, entry: Any, verifier_cfg: dict | None) -> Pi
     pipeline = base.with_components(entry["proposer"], entry.get("verifier") or verifier_cfg)
     pipeline.label = entry.get("label")
     return pipeline
+
+
+def with_unique_names(pipelines: list[Pipeline], entries: list[Any]) -> list[Pipeline]:
+    """Results are kept by pipeline name, so two pipelines may not share one. Unlabelled
+    entries whose default names ("proposer+verifier") collide are named after their
+    proposer options instead, e.g. ``suffix(k=16)+tree``; a collision left after that is an error."""
+    names = [p.name for p in pipelines]
+    for pipeline, entry in zip(pipelines, entries):
+        proposer = entry.get("proposer") if isinstance(entry, dict) else None
+        if names.count(pipeline.name) > 1 and not pipeline.label and isinstance(proposer, dict):
+            options = ",".join(f"{k}={v}" for k, v in proposer.items() if k != "name")
+            if options:
+                pipeline.label = f"{proposer['name']}({options})+{pipeline.verifier.name}"
+    names = [p.name for p in pipelines]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(
+                f"bench.pipelines has {names.count(name)} entries named {name!r}; give each a label "
+                "({proposer: ..., verifier: ..., label: NAME}) so their results stay apart"
+            )
+    return pipelines
 
 
 def turn_ids(pipeline: Pipeline, prompt: Prompt, turn: int, first_answer: str | None) -> list[int]:
