@@ -3,9 +3,9 @@
 transformers' ``DynamicLayer`` appends a pass's keys and values with
 ``torch.cat``: every pass copies the whole cache of every layer into freshly
 allocated memory. A decoding step over a 300-token context of SmolLM2-135M
-copies 14 MB that way, and allocations of that size come from the operating
-system page by page, so the copy cost 2 to 13 ms of a 46 ms pass on the 2-core
-CPU measured, varying with the allocator's state.
+copies 14 MB that way. On the 2-core AVX2 CPU measured, writing in place instead
+made passes after a 300-token prefix 1.0 to 1.4 ms faster (of 46 to 68 ms), with
+bit-identical logits; the longer the context, the more the copy costs.
 
 :class:`GrowingLayer` keeps each layer's keys and values in a buffer with room
 to spare (doubled when full) and writes a pass's entries into it; ``keys`` and
