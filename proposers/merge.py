@@ -112,6 +112,10 @@ class MergeProposer(Proposer):
     def drafts_in_target(self) -> bool:
         return self._pass_owner is not None
 
+    @property
+    def reads_target_layers(self) -> bool:
+        return any(member.reads_target_layers for member in self.members)
+
     def begin(self, state) -> None:
         for member in self.members:
             member.begin(state)

@@ -64,6 +64,14 @@ class Proposer:
         as an ordinary pass would. False for every proposer with a model of its own."""
         return False
 
+    @property
+    def reads_target_layers(self) -> bool:
+        """True if drafting reads the target's inner layers as its passes run (early
+        exit's shallow layers, EAGLE's features), so it needs the target's real passes:
+        a replay over recorded outputs (:mod:`decoders.evaluation.replay`) skips it.
+        Final hidden states (``state.hidden``) are not inner layers."""
+        return self.drafts_in_target
+
     def begin(self, state: DecodeState) -> None:
         """Reset per-request state."""
 

@@ -80,7 +80,7 @@ class ModelSession:
         else:
             kwargs["inputs_embeds"] = inputs_embeds[None]  # (1, q, hidden)
         if parents is not None and any(p != i - 1 for i, p in enumerate(parents)):
-            new_depths = _depths(parents)[start - tree_start :]
+            new_depths = tree_depths(parents)[start - tree_start :]
             kwargs["position_ids"] = (
                 torch.tensor(new_depths, dtype=torch.long, device=self.device) + tree_start
             ).unsqueeze(0)  # (1, q)
@@ -121,7 +121,8 @@ class ModelSession:
         self.truncate(end)
 
 
-def _depths(parents: list[int]) -> list[int]:
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each tree entry's depth (0 for entries whose parent is -1); parents before children."""
     depths: list[int] = []
     for parent in parents:
         depths.append(0 if parent < 0 else depths[parent] + 1)

@@ -50,6 +50,10 @@ class EagleProposer(Proposer):
     def sampled(self) -> bool:
         return not self.config.tree  # chains carry q; trees are deterministic (point masses)
 
+    @property
+    def reads_target_layers(self) -> bool:
+        return True  # its features are the target's layer outputs, tapped as its passes run
+
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         if config.k < 1:

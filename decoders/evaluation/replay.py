@@ -1,0 +1,335 @@
+"""Replay: pipelines over a bench run's recorded greedy outputs, timed by a given T(n).
+
+Greedy speculative decoding emits exactly what standard greedy decoding emits, so once
+a bench run has recorded standard decoding's output for every prompt, any proposer's
+rounds on those prompts follow from its drafts alone: the target's verdict on a draft is
+known before the target runs. :class:`ReplaySession` stands in for the target's session
+in the real decode loop (:func:`decoders.engine.decoding.decode`, the real verifiers):
+
+* a pass's logits are one-hot at the recorded next token on rows whose path follows
+  the recorded output, zero elsewhere (rows no verifier reads: their parent was rejected);
+* its final hidden states, which proposers such as the copy heads read, come from one
+  teacher-forced pass of the target over prompt + output (up to floating-point order,
+  what the incremental passes computed).
+
+A request's time is then projected: the prefill standard decoding took in the run,
+plus T(n + 1) for each round's draft of n tokens, plus the drafting time measured
+here; standard decoding's, the prefill plus T(1) per further token. With the run's own
+curve the projection reproduces the bench's figures up to the machine's noise and the
+verification's own overhead; with another machine's curve (``cost_curve=FILE``) it
+projects them there, the prefill scaled by T(1)'s ratio. A replay takes seconds per
+pipeline where a bench takes minutes, so sizing and drafting ideas can be compared
+before they are measured; its figures are projections, and the tables say so.
+
+Proposers that draft with the target's inner layers (early exit's shallow layers,
+EAGLE's features) need its real passes: :attr:`Proposer.reads_target_layers`, and a
+replay skips them. Sampling is not replayed (its outputs are not fixed by the run).
+
+The command line is :mod:`decoders.replay`; :func:`run_replay` is what it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from decoders.cli.config import load_plugins, model_config
+from decoders.engine.decoding import StopConditions, decode
+from decoders.engine.pipeline import Pipeline
+from decoders.engine.sampling import SamplingConfig
+from decoders.evaluation.benchmark import build_pipelines, turn_ids
+from decoders.evaluation.files import write_json
+from decoders.evaluation.metrics import Record, pipeline_entry
+from decoders.evaluation.workloads import load_workload, workload_config
+from decoders.models.cost import CostCurve, pass_times, read_cost_curve
+from decoders.models.loading import load_model
+from decoders.models.machine import machine_info
+from decoders.models.session import ModelSession, tree_depths
+
+
+@dataclass
+class Reference:
+    """What standard greedy decoding did on one prompt (one turn) of a run."""
+
+    prompt_id: str
+    category: str
+    turn: int
+    prompt_ids: list[int]
+    tokens: list[int]  # its output
+    prefill_time: float  # seconds its prefill took in the run
+    hidden: torch.Tensor | None = None  # (len(prompt) + len(output), hidden) teacher-forced final states
+
+
+class ReplaySession:
+    """A target session that answers passes from a recorded output (see the module).
+
+    It keeps what :class:`ModelSession` keeps for the decode loop (``cached``,
+    ``hidden``, ``keep``, ``truncate``); ``model`` is the real target, for what the
+    loop asks of it (exact mode's widest pass)."""
+
+    def __init__(self, model: torch.nn.Module, reference: Reference) -> None:
+        self.model = model
+        self.device = torch.device("cpu")
+        self.max_positions = None
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.sequence = reference.prompt_ids + reference.tokens
+        self.reference_hidden = reference.hidden
+        self.reset()
+
+    def reset(self) -> None:
+        self.cached: list[int] = []
+        self.hidden: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.cached)
+
+    def forward(
+        self, tokens: list[int], parents: list[int] | None = None, last_only: bool = False, **_: object
+    ) -> torch.Tensor:
+        start = len(self.cached)
+        if self.cached != self.sequence[:start]:
+            raise RuntimeError(
+                "the replayed cache left the recorded output: a verifier accepted a wrong token"
+            )
+        parents = list(range(-1, len(tokens) - 1)) if parents is None else parents  # a chain by default
+        depths = tree_depths(parents)
+        follows: list[bool] = []  # whether the row's path is the recorded output
+        for token, parent, depth in zip(tokens, parents, depths):
+            position = start + depth
+            on_path = parent < 0 or follows[parent]
+            follows.append(on_path and position < len(self.sequence) and self.sequence[position] == token)
+        rows = [len(tokens) - 1] if last_only else range(len(tokens))
+        logits = torch.zeros(len(rows), self.vocab_size)
+        for row, i in enumerate(rows):
+            position = start + depths[i] + 1
+            if follows[i] and position < len(self.sequence):
+                logits[row, self.sequence[position]] = 1.0
+        if self.reference_hidden is not None:
+            last = len(self.sequence) - 1
+            positions = torch.tensor([min(start + depth, last) for depth in depths])
+            kept = torch.tensor(follows, dtype=self.reference_hidden.dtype)[:, None]
+            self.hidden = self.reference_hidden[positions] * kept  # rows off the output: zeros
+        self.cached.extend(tokens)
+        return logits
+
+    def truncate(self, length: int) -> None:
+        del self.cached[length:]
+
+    def keep(self, start: int, kept: list[int]) -> None:
+        block = self.cached[start:]
+        self.cached[start:] = [block[i] for i in kept]
+
+
+def references_of(run: dict, base: Pipeline, cfg: DictConfig, hidden: bool) -> list[Reference]:
+    """Standard decoding's first repeat of every prompt and turn of ``run`` (results.json),
+    in the run's order, with the prompt ids rebuilt as the bench built them and (``hidden``)
+    the target's teacher-forced final hidden states."""
+    standard = next((p for p in run["pipelines"] if p["name"] == "standard"), None)
+    if standard is None or not standard["records"]:
+        raise ValueError(
+            "the run has no standard decoding records to replay; run the bench to the end of a prompt"
+        )
+    prompts = {p.id: p for p in load_workload(workload_config(cfg))}
+    answers: dict[str, str] = {}
+    references = []
+    session = ModelSession(base.model)
+    for record in standard["records"]:
+        if record["repeat"]:
+            continue
+        prompt = prompts.get(record["prompt_id"])
+        if prompt is None:
+            raise ValueError(
+                f"prompt {record['prompt_id']!r} of the run is not in its workload any more; replay a run "
+                "of the workload as it is now"
+            )
+        prompt_ids = turn_ids(base, prompt, record["turn"], answers.get(prompt.id))
+        if record["turn"] == 0:
+            answers[prompt.id] = record["text"]
+        reference = Reference(
+            prompt.id,
+            record["category"],
+            record["turn"],
+            prompt_ids,
+            record["tokens"],
+            record["prefill_time"],
+        )
+        if hidden:
+            session.reset()
+            session.forward(prompt_ids + record["tokens"], last_only=True)
+            reference.hidden = session.hidden
+        references.append(reference)
+    return references
+
+
+def replay_pipeline(
+    pipeline: Pipeline, references: list[Reference], curve: CostCurve, prefill_scale: float = 1.0
+) -> list[Record]:
+    """Every reference replayed through ``pipeline`` (its proposer and verifier), in order,
+    as bench records whose times are projected (see the module)."""
+    proposer = pipeline.proposer
+    if proposer is not None and proposer.reads_target_layers:
+        raise ValueError(
+            f"proposer {proposer.name} drafts with the target's inner layers, which a replay does not "
+            "run; measure it with python -m decoders.bench"
+        )
+    if pass_times(pipeline.model) is not None:
+        raise RuntimeError(
+            "the target follows a live cost curve, which the replay's instant passes would corrupt"
+        )
+    greedy = SamplingConfig()
+    records = []
+    for reference in references:
+        stop = StopConditions(
+            pipeline.max_new_tokens, pipeline.eos_token_ids(), pipeline.stop_strings, pipeline.tokenizer
+        )
+        session = ReplaySession(pipeline.model, reference)
+        output = decode(session, reference.prompt_ids, stop, greedy, proposer, pipeline.verifier)  # type: ignore[arg-type]
+        stats = output.stats
+        verify = sum(curve(size + 1) for size in stats.draft_sizes)
+        prefill = reference.prefill_time * prefill_scale
+        records.append(
+            Record(
+                prompt_id=reference.prompt_id,
+                category=reference.category,
+                turn=reference.turn,
+                repeat=0,
+                new_tokens=stats.new_tokens,
+                wall_time=prefill + verify + stats.draft_time,
+                tokens=output.tokens,
+                target_passes=stats.target_passes,
+                proposed=stats.proposed,
+                accepted=stats.accepted,
+                draft_time=stats.draft_time,
+                verify_time=verify,
+                emitted_per_round=list(stats.emitted_per_round),
+                observe_time=stats.observe_time,
+                draft_sizes=list(stats.draft_sizes),
+                prefill_time=prefill,
+            )
+        )
+    return records
+
+
+def standard_records(
+    references: list[Reference], curve: CostCurve, prefill_scale: float = 1.0
+) -> list[Record]:
+    """Standard decoding's records projected the same way: one T(1) pass per token after the first."""
+    records = []
+    for reference in references:
+        prefill = reference.prefill_time * prefill_scale
+        passes = max(len(reference.tokens) - 1, 0)
+        records.append(
+            Record(
+                prompt_id=reference.prompt_id,
+                category=reference.category,
+                turn=reference.turn,
+                repeat=0,
+                new_tokens=len(reference.tokens),
+                wall_time=prefill + passes * curve(1),
+                tokens=reference.tokens,
+                target_passes=passes,
+                proposed=0,
+                accepted=0,
+                draft_time=0.0,
+                verify_time=passes * curve(1),
+                emitted_per_round=[1] * passes,
+                draft_sizes=[0] * passes,
+                prefill_time=prefill,
+            )
+        )
+    return records
+
+
+def run_replay(cfg: DictConfig) -> dict:
+    """Replay ``cfg.run``'s recorded outputs through its pipelines (or ``cfg.pipelines``)."""
+    run_dir = Path(cfg.run)
+    results_file = run_dir / "results.json" if run_dir.is_dir() else run_dir
+    if not results_file.exists():
+        raise FileNotFoundError(f"no bench results at {results_file}; give run=outputs/bench/DATE_TIME")
+    run = json.loads(results_file.read_text())
+    if run["temperature"] != 0.0:
+        raise ValueError(
+            f"the run sampled at temperature {run['temperature']}; only greedy runs can be replayed "
+            "(their outputs are what every lossless pipeline emits)"
+        )
+    run_cfg = OmegaConf.create(run["config"])
+    if cfg.pipelines:
+        run_cfg.bench.pipelines = cfg.pipelines
+    run_cfg.plugins = list(run_cfg.get("plugins") or []) + list(cfg.plugins)
+    load_plugins(run_cfg)
+    run_curve = CostCurve(
+        {int(n): s for n, s in zip(run["cost_curve"]["sizes"], run["cost_curve"]["seconds"])}
+    )
+    curve = read_cost_curve(cfg.cost_curve) if cfg.cost_curve else run_curve
+    prefill_scale = curve(1) / run_curve(1)
+
+    target, tokenizer = load_model(model_config(run_cfg))
+    base = Pipeline(
+        target,
+        tokenizer,
+        model_config=model_config(run_cfg),
+        artifacts_dir=run_cfg.artifacts_dir,
+        max_new_tokens=run["max_new_tokens"],
+        cost_curve=curve,
+    )
+    pipelines = []
+    for pipeline in build_pipelines(run_cfg, base):
+        if pipeline.proposer is not None and pipeline.proposer.reads_target_layers:
+            print(
+                f"[replay] skipping {pipeline.name}: it drafts with the target's inner layers",
+                file=sys.stderr,
+            )
+        else:
+            pipelines.append(pipeline)
+    if not pipelines:
+        raise ValueError("no pipeline of the run can be replayed; name some with pipelines=[...]")
+    references = references_of(run, base, run_cfg, hidden=True)
+    baseline = standard_records(references, curve, prefill_scale)
+    entries = [pipeline_entry("standard", "standard", None, None, baseline, baseline, True)]
+    for pipeline in tqdm(pipelines, desc="pipelines"):
+        records = replay_pipeline(pipeline, references, curve, prefill_scale)
+        texts = [tokenizer.decode(r.tokens, skip_special_tokens=True) if tokenizer else None for r in records]
+        records = [replace(r, text=text) for r, text in zip(records, texts)]
+        entry = pipeline_entry(
+            pipeline.name,
+            "speculative",
+            pipeline.proposer.name,
+            pipeline.verifier.name,
+            records,
+            baseline,
+            True,
+        )
+        entry["info"] = pipeline.proposer.describe()
+        entry["records"] = [r.as_dict() for r in records]
+        entries.append(entry)
+    for entry in entries:
+        entry["ideal_speedup"] = entry["efficiency"] = None
+    payload = {
+        "projected": True,
+        "run": str(results_file),
+        "cost_curve_file": cfg.cost_curve,
+        "model": run["model"],
+        "dtype": run["dtype"],
+        "device": run["device"],
+        "machine": machine_info(torch.device("cpu")),
+        "run_machine": run.get("machine"),
+        "temperature": 0.0,
+        "max_new_tokens": run["max_new_tokens"],
+        "prompts": len({r.prompt_id for r in references}),
+        "workload": run["workload"],
+        "repeats": 1,
+        "turns": run["turns"],
+        "cost_curve": {
+            "sizes": sorted(curve.seconds),
+            "seconds": [curve.seconds[n] for n in sorted(curve.seconds)],
+        },
+        "pipelines": entries,
+    }
+    write_json(Path(cfg.output), payload)
+    return payload

@@ -1,0 +1,40 @@
+"""Command line: replay a greedy bench run's recorded outputs through pipelines.
+
+    python -m decoders.replay run=outputs/bench/DATE_TIME
+    python -m decoders.replay run=outputs/bench/DATE_TIME "pipelines=[{proposer:{name:suffix,k:16},verifier:tree}]"
+    python -m decoders.replay run=outputs/bench/DATE_TIME cost_curve=bf16_curve.json
+
+Seconds per pipeline instead of a bench's minutes, with projected (not measured)
+times: how it works and what it cannot replay, :mod:`decoders.evaluation.replay`.
+Writes replay.json to ``outputs/replay/DATE_TIME/`` (``output=PATH`` elsewhere).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from decoders.engine.registry import import_plugins_from_argv
+
+import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
+
+from decoders.cli.config import CONF_DIR  # noqa: E402
+from decoders.cli.errors import cli_errors  # noqa: E402
+from decoders.evaluation.benchmark import format_table  # noqa: E402
+from decoders.evaluation.replay import run_replay  # noqa: E402
+
+
+@hydra.main(config_path=CONF_DIR, config_name="replay", version_base="1.3")
+@cli_errors
+def main(cfg: DictConfig) -> None:
+    payload = run_replay(cfg)
+    curve = cfg.cost_curve or "the run's own T(n)"
+    print(f"projected from the outputs recorded in {payload['run']}, timed by {curve}:")
+    print(format_table(payload))
+    print(f"[replay] wrote {cfg.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Replay over recorded greedy outputs: the same rounds as real decoding, times from T(n)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from decoders.evaluation.replay import (
+    Reference,
+    ReplaySession,
+    replay_pipeline,
+    standard_records,
+)
+from decoders.models.cost import CostCurve
+from decoders.models.session import ModelSession
+from tests.bench_helpers import run_bench, tiny_overrides, write_workload
+from tests.conftest import random_prompts
+
+CURVE = CostCurve({1: 0.010, 2: 0.011, 4: 0.013, 8: 0.017, 16: 0.025, 32: 0.041, 64: 0.073})
+
+#: proposers whose drafts do not depend on measured seconds, so a replay must make the
+#: same rounds as the real decode loop: prompt lookup, the suffix tree, the copy heads
+#: (they read the target's final hidden states) as a chain and a static tree, and a merge
+DETERMINISTIC = [
+    ({"name": "ngram", "adaptive": False}, "greedy"),
+    ({"name": "ngram", "adaptive": False, "branches": 2}, "tree"),
+    ({"name": "suffix", "adaptive": False}, "tree"),
+    ({"name": "medusa", "adaptive": False}, "greedy"),
+    ({"name": "medusa", "tree": "auto"}, "tree"),
+    (
+        {
+            "name": "merge",
+            "joint_budget": False,
+            "members": [{"name": "suffix", "adaptive": False}, {"name": "medusa", "tree": "auto"}],
+        },
+        "tree",
+    ),
+]
+
+
+def references(pipeline, prompts, max_new: int) -> list[Reference]:
+    """Standard greedy decoding's outputs of ``prompts``, with the teacher-forced hidden states."""
+    session = ModelSession(pipeline.model)
+    made = []
+    for number, prompt in enumerate(prompts):
+        tokens = pipeline.generate(prompt, max_new).tokens
+        session.reset()
+        session.forward(prompt + tokens, last_only=True)
+        made.append(Reference(f"p{number}", "qa", 0, prompt, tokens, 0.5, session.hidden))
+    return made
+
+
+@pytest.mark.parametrize("spec,verifier", DETERMINISTIC, ids=lambda value: str(value))
+def test_replay_makes_the_rounds_real_decoding_makes(trained_pipeline, spec, verifier):
+    """Float64 tiny target: every round of the replay (draft size, tokens emitted) and its
+    output equal those of the real decode loop over the real target, request after request
+    (the suffix tree's memory carries across both alike)."""
+    prompts = random_prompts(4, seed=5)
+    recorded = references(trained_pipeline.with_components(None, None), prompts, 24)
+    real = trained_pipeline.with_components(spec, verifier)
+    replayed = trained_pipeline.with_components(spec, verifier)
+    replayed.max_new_tokens = 24
+    records = replay_pipeline(replayed, recorded, CURVE)
+    drafted = 0
+    for prompt, reference, record in zip(prompts, recorded, records):
+        result = real.generate(prompt, 24)
+        assert record.tokens == reference.tokens == result.tokens
+        assert record.draft_sizes == result.stats.draft_sizes
+        assert record.emitted_per_round == result.stats.emitted_per_round
+        drafted += result.stats.proposed
+    assert drafted > 0, "nothing was drafted: the replay was not exercised"
+
+
+def test_replay_projects_times_from_the_curve(tiny_pipeline):
+    """A request's projected time is its recorded prefill, T(n + 1) per round of n draft
+    tokens and the drafting measured; standard decoding's, T(1) per token after the first."""
+    prompts = random_prompts(3, seed=9)
+    recorded = references(tiny_pipeline, prompts, 16)
+    pipeline = tiny_pipeline.with_components({"name": "ngram", "adaptive": False}, "greedy")
+    pipeline.max_new_tokens = 16
+    for record in replay_pipeline(pipeline, recorded, CURVE, prefill_scale=2.0):
+        assert record.prefill_time == pytest.approx(1.0)  # 0.5 s recorded, scaled
+        passes = sum(CURVE(size + 1) for size in record.draft_sizes)
+        assert record.verify_time == pytest.approx(passes)
+        assert record.wall_time == pytest.approx(1.0 + passes + record.draft_time)
+        assert record.target_passes == len(record.draft_sizes)
+    for reference, record in zip(recorded, standard_records(recorded, CURVE)):
+        assert record.wall_time == pytest.approx(0.5 + (len(reference.tokens) - 1) * CURVE(1))
+        assert record.tokens == reference.tokens
+
+
+def test_replayed_passes_answer_only_rows_on_the_recorded_output(tiny_pipeline):
+    """A tree pass: the rows whose path is the recorded output predict its next token and
+    carry its hidden state; a row off it predicts nothing and carries zeros."""
+    prompt, tokens = [5, 6, 7], [8, 9, 10, 11]
+    hidden = ModelSession(tiny_pipeline.model)
+    hidden.forward(prompt + tokens, last_only=True)
+    session = ReplaySession(tiny_pipeline.model, Reference("p", "qa", 0, prompt, tokens, 0.0, hidden.hidden))
+    first = session.forward(prompt, last_only=True)
+    assert first.shape[0] == 1 and int(first[0].argmax()) == 8 and session.hidden.shape[0] == 3
+    session.forward([8])
+    # pending 9, then children 10 (right) and 12 (wrong), and 11 under 10
+    logits = session.forward([9, 10, 12, 11], parents=[-1, 0, 0, 1])
+    assert [int(row.argmax()) for row in logits[:3:2]] == [10, 0] and float(logits[2].abs().sum()) == 0
+    assert int(logits[1].argmax()) == 11 and float(logits[3].abs().sum()) == 0  # past the recorded end
+    assert session.hidden[1].equal(hidden.hidden[5]) and float(session.hidden[2].abs().sum()) == 0
+    session.keep(4, [0, 1, 3])
+    assert session.cached == prompt + tokens
+
+
+def test_replay_refuses_proposers_that_read_the_target_layers(tiny_pipeline):
+    recorded = references(tiny_pipeline, random_prompts(1, seed=2), 4)
+    pipeline = tiny_pipeline.with_components({"name": "early_exit", "exit_layer": 1}, "greedy")
+    with pytest.raises(ValueError, match="inner layers.*decoders.bench"):
+        replay_pipeline(pipeline, recorded, CURVE)
+
+
+def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
+    """bench, then replay of its run: the same pipelines and outputs, tau as measured (a
+    deterministic proposer), times projected from the run's T(n) or a given one."""
+    from decoders import replay
+
+    workload = write_workload(tmp_path)
+    run_dir = tmp_path / "run"
+    pipelines = "bench.pipelines=[{proposer:{name:ngram,adaptive:false},verifier:greedy,label:lookup}]"
+    run_bench(monkeypatch, tiny_overrides(workload, f"hydra.run.dir={run_dir}", pipelines))
+    bench = {p["name"]: p for p in json.loads((run_dir / "results.json").read_text())["pipelines"]}
+
+    curve_file = tmp_path / "curve.json"
+    curve_file.write_text(json.dumps({"seconds": {"1": 0.02, "16": 0.021}}))
+    out = tmp_path / "replay.json"
+    argv = [
+        "decoders.replay",
+        f"run={run_dir}",
+        f"cost_curve={curve_file}",
+        f"output={out}",
+        f"hydra.run.dir={tmp_path / 'r'}",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    replay.main()
+    assert "projected" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert payload["projected"] is True and payload["cost_curve"]["seconds"] == [0.02, 0.021]
+    replayed = {p["name"]: p for p in payload["pipelines"]}
+    assert set(replayed) == {"standard", "lookup"}
+    lookup = replayed["lookup"]
+    assert lookup["identical_outputs"] == 1.0
+    assert lookup["mean_accepted_tokens"] == pytest.approx(bench["lookup"]["mean_accepted_tokens"])
+    assert lookup["speedup"] > 1.0  # drafts nearly free under this curve, and some accepted
+
+
+def test_replay_cli_refuses_a_sampled_run(tmp_path, monkeypatch, capsys):
+    from decoders import replay
+
+    workload = write_workload(tmp_path)
+    run_dir = tmp_path / "run"
+    run_bench(
+        monkeypatch,
+        tiny_overrides(workload, f"hydra.run.dir={run_dir}", "proposer=ngram", "sampling.temperature=1.0"),
+    )
+    monkeypatch.setattr(sys, "argv", ["decoders.replay", f"run={run_dir}", f"hydra.run.dir={tmp_path / 'r'}"])
+    with pytest.raises(SystemExit) as exit:
+        replay.main()
+    assert exit.value.code == 2
+    assert "only greedy runs can be replayed" in capsys.readouterr().err
