@@ -6,12 +6,13 @@
 
 Seconds per pipeline instead of a bench's minutes, with projected (not measured)
 times: how it works and what it cannot replay, :mod:`decoders.evaluation.replay`.
-Writes replay.json to ``outputs/replay/DATE_TIME/`` (``output=PATH`` elsewhere).
+Writes replay.json and the bench's plots to ``outputs/replay/DATE_TIME/`` (``output=PATH`` elsewhere).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -23,6 +24,7 @@ import_plugins_from_argv()  # before Hydra composes, so plugin proposers are val
 from decoders.cli.config import CONF_DIR  # noqa: E402
 from decoders.cli.errors import cli_errors  # noqa: E402
 from decoders.evaluation.benchmark import format_table  # noqa: E402
+from decoders.evaluation.plots import bench_plots  # noqa: E402
 from decoders.evaluation.replay import run_replay  # noqa: E402
 
 
@@ -34,6 +36,9 @@ def main(cfg: DictConfig) -> None:
     print(f"projected from the outputs recorded in {payload['run']}, timed by {curve}:")
     print(format_table(payload))
     print(f"[replay] wrote {cfg.output}", file=sys.stderr)
+    if cfg.plots:
+        for image in bench_plots(payload, Path(cfg.output).parent):
+            print(f"[replay] wrote {image}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,8 @@ def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
     assert lookup["identical_outputs"] == 1.0
     assert lookup["mean_accepted_tokens"] == pytest.approx(bench["lookup"]["mean_accepted_tokens"])
     assert lookup["speedup"] > 1.0  # drafts nearly free under this curve, and some accepted
+    for plot in ("speedup_by_category.png", "tau_distribution.png", "cost_curve.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
 
 
 def test_replay_cli_refuses_a_sampled_run(tmp_path, monkeypatch, capsys):

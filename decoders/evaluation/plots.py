@@ -141,6 +141,7 @@ def speedup_vs_parameter(rows: list[dict], parameter: str, path: Path) -> Path:
 
 
 def _run_title(payload: dict, what: str) -> str:
+    what = f"{what} (projected by a replay)" if payload.get("projected") else what
     return (
         f"{what}: {payload['model']}, T={payload['temperature']}, "
         f"{payload['prompts']} prompts, {payload['max_new_tokens']} new tokens"
