@@ -292,6 +292,7 @@ def run_replay(cfg: DictConfig) -> dict:
     references = references_of(run, base, run_cfg, hidden=True)
     baseline = standard_records(references, curve, prefill_scale)
     entries = [pipeline_entry("standard", "standard", None, None, baseline, baseline, True)]
+    entries[0]["records"] = [r.as_dict() for r in baseline]
     for pipeline in tqdm(pipelines, desc="pipelines"):
         records = replay_pipeline(pipeline, references, curve, prefill_scale)
         texts = [tokenizer.decode(r.tokens, skip_special_tokens=True) if tokenizer else None for r in records]
