@@ -73,6 +73,32 @@ def test_replay_makes_the_rounds_real_decoding_makes(trained_pipeline, spec, ver
     assert drafted > 0, "nothing was drafted: the replay was not exercised"
 
 
+@pytest.mark.parametrize(
+    "spec,verifier",
+    [({"name": "ngram", "adaptive": False}, "greedy"), ({"name": "suffix", "adaptive": False}, "tree")],
+    ids=["ngram", "suffix"],
+)
+def test_the_oracle_sends_only_what_the_target_accepts(tiny_pipeline, spec, verifier):
+    """Drafts cut to the accepted path: the same rounds as the uncut replay (proposers whose
+    drafts do not follow their measurements), each draft wholly accepted, so cheaper."""
+    recorded = references(tiny_pipeline, random_prompts(4, seed=7), 24)
+    runs = {}
+    for oracle in (False, True):
+        pipeline = tiny_pipeline.with_components(spec, verifier)
+        pipeline.max_new_tokens = 24
+        runs[oracle] = replay_pipeline(pipeline, recorded, CURVE, oracle=oracle)
+    accepted = 0
+    for real, cut, reference in zip(runs[False], runs[True], recorded):
+        assert cut.tokens == real.tokens == reference.tokens
+        assert cut.emitted_per_round == real.emitted_per_round
+        assert cut.accepted == cut.proposed == real.accepted
+        assert cut.draft_sizes == [emitted - 1 for emitted in cut.emitted_per_round]
+        assert cut.verify_time <= real.verify_time
+        accepted += cut.accepted
+    assert accepted > 0
+    assert sum(r.verify_time for r in runs[True]) < sum(r.verify_time for r in runs[False])
+
+
 def test_replay_projects_times_from_the_curve(tiny_pipeline):
     """A request's projected time is its recorded prefill, T(n + 1) per round of n draft
     tokens and the drafting measured; standard decoding's, T(1) per token after the first."""
@@ -133,6 +159,7 @@ def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
     out = tmp_path / "replay.json"
     argv = [
         "decoders.replay",
+        "oracle=true",
         f"run={run_dir}",
         f"cost_curve={curve_file}",
         f"output={out}",
@@ -144,7 +171,8 @@ def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
     payload = json.loads(out.read_text())
     assert payload["projected"] is True and payload["cost_curve"]["seconds"] == [0.02, 0.021]
     replayed = {p["name"]: p for p in payload["pipelines"]}
-    assert set(replayed) == {"standard", "lookup"}
+    assert set(replayed) == {"standard", "lookup", "lookup (oracle)"}
+    assert replayed["lookup (oracle)"]["acceptance_rate"] == 1.0
     lookup = replayed["lookup"]
     assert lookup["identical_outputs"] == 1.0
     assert lookup["mean_accepted_tokens"] == pytest.approx(bench["lookup"]["mean_accepted_tokens"])

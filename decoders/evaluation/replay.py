@@ -41,7 +41,9 @@ from tqdm import tqdm
 
 from decoders.cli.config import load_plugins, model_config
 from decoders.engine.decoding import StopConditions, decode
+from decoders.engine.draft import Draft, Round
 from decoders.engine.pipeline import Pipeline
+from decoders.engine.proposer import Proposer
 from decoders.engine.sampling import SamplingConfig
 from decoders.evaluation.benchmark import build_pipelines, turn_ids
 from decoders.evaluation.files import write_json
@@ -126,6 +128,57 @@ class ReplaySession:
         self.cached[start:] = [block[i] for i in kept]
 
 
+class AcceptedPathOnly(Proposer):
+    """Sizing's oracle: the wrapped proposer's drafts cut to the path the recorded output
+    accepts, so every round pays T(n + 1) only for the n tokens it gains. Its speedup is
+    what the proposer's candidates allow under a perfect choice of draft: what is left
+    to a better sizing. The wrapped proposer observes its rounds in its own numbering,
+    the nodes cut away neither tried nor rejected."""
+
+    name = "oracle"
+
+    def __init__(self, inner: Proposer) -> None:
+        super().__init__(inner.config, inner.context)
+        self.inner = inner
+        self.sequence: list[int] = []  # the recorded prompt + output of the request
+        self._draft: Draft | None = None  # the inner proposer's last draft, whole
+
+    def begin(self, state) -> None:
+        self.inner.begin(state)
+
+    def propose(self, state) -> Draft:
+        self._draft = draft = self.inner.propose(state)
+        path: list[int] = []
+        row = 0  # the pending token's row of children, then each accepted node's
+        while (position := len(state.tokens) + len(path)) < len(self.sequence):
+            child = next((c for c in draft.children[row] if draft.tokens[c] == self.sequence[position]), None)
+            if child is None:
+                break
+            path.append(child)
+            row = child + 1
+        return draft.select(path)
+
+    def observe(self, state, round: Round) -> None:
+        nodes = round.draft.nodes_in(self._draft)
+        self.inner.observe(
+            state,
+            Round(
+                self._draft,
+                [nodes[i] for i in round.path],
+                [nodes[i] for i in round.verified],
+                round.tokens,
+                round.draft_seconds,
+                round.verify_seconds,
+            ),
+        )
+
+    def finish(self, state) -> None:
+        self.inner.finish(state)
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+
 def references_of(run: dict, base: Pipeline, cfg: DictConfig, hidden: bool) -> list[Reference]:
     """Standard decoding's first repeat of every prompt and turn of ``run`` (results.json),
     in the run's order, with the prompt ids rebuilt as the bench built them and (``hidden``)
@@ -168,10 +221,15 @@ def references_of(run: dict, base: Pipeline, cfg: DictConfig, hidden: bool) -> l
 
 
 def replay_pipeline(
-    pipeline: Pipeline, references: list[Reference], curve: CostCurve, prefill_scale: float = 1.0
+    pipeline: Pipeline,
+    references: list[Reference],
+    curve: CostCurve,
+    prefill_scale: float = 1.0,
+    oracle: bool = False,
 ) -> list[Record]:
     """Every reference replayed through ``pipeline`` (its proposer and verifier), in order,
-    as bench records whose times are projected (see the module)."""
+    as bench records whose times are projected (see the module); ``oracle``: with its
+    drafts cut to what the target accepts (:class:`AcceptedPathOnly`)."""
     proposer = pipeline.proposer
     if proposer is not None and proposer.reads_target_layers:
         raise ValueError(
@@ -182,9 +240,13 @@ def replay_pipeline(
         raise RuntimeError(
             "the target follows a live cost curve, which the replay's instant passes would corrupt"
         )
+    if oracle and proposer is not None:
+        proposer = AcceptedPathOnly(proposer)
     greedy = SamplingConfig()
     records = []
     for reference in references:
+        if isinstance(proposer, AcceptedPathOnly):
+            proposer.sequence = reference.prompt_ids + reference.tokens
         stop = StopConditions(
             pipeline.max_new_tokens, pipeline.eos_token_ids(), pipeline.stop_strings, pipeline.tokenizer
         )
@@ -246,6 +308,21 @@ def standard_records(
     return records
 
 
+def replayable(pipelines: list[Pipeline], report: bool = False) -> list[Pipeline]:
+    """The pipelines a replay can run: not those whose proposer reads the target's inner layers."""
+    kept = []
+    for pipeline in pipelines:
+        if pipeline.proposer is not None and pipeline.proposer.reads_target_layers:
+            if report:
+                print(
+                    f"[replay] skipping {pipeline.name}: it drafts with the target's inner layers",
+                    file=sys.stderr,
+                )
+        else:
+            kept.append(pipeline)
+    return kept
+
+
 def run_replay(cfg: DictConfig) -> dict:
     """Replay ``cfg.run``'s recorded outputs through its pipelines (or ``cfg.pipelines``)."""
     run_dir = Path(cfg.run)
@@ -278,33 +355,23 @@ def run_replay(cfg: DictConfig) -> dict:
         max_new_tokens=run["max_new_tokens"],
         cost_curve=curve,
     )
-    pipelines = []
-    for pipeline in build_pipelines(run_cfg, base):
-        if pipeline.proposer is not None and pipeline.proposer.reads_target_layers:
-            print(
-                f"[replay] skipping {pipeline.name}: it drafts with the target's inner layers",
-                file=sys.stderr,
-            )
-        else:
-            pipelines.append(pipeline)
+    pipelines = replayable(build_pipelines(run_cfg, base), report=True)
     if not pipelines:
         raise ValueError("no pipeline of the run can be replayed; name some with pipelines=[...]")
     references = references_of(run, base, run_cfg, hidden=True)
     baseline = standard_records(references, curve, prefill_scale)
     entries = [pipeline_entry("standard", "standard", None, None, baseline, baseline, True)]
     entries[0]["records"] = [r.as_dict() for r in baseline]
-    for pipeline in tqdm(pipelines, desc="pipelines"):
-        records = replay_pipeline(pipeline, references, curve, prefill_scale)
+    runs = [(pipeline, False) for pipeline in pipelines]
+    if cfg.oracle:  # fresh proposers: what one replay leaves in a proposer's memory must not reach the other
+        runs += [(pipeline, True) for pipeline in replayable(build_pipelines(run_cfg, base))]
+    for pipeline, oracle in tqdm(runs, desc="pipelines"):
+        records = replay_pipeline(pipeline, references, curve, prefill_scale, oracle)
         texts = [tokenizer.decode(r.tokens, skip_special_tokens=True) if tokenizer else None for r in records]
         records = [replace(r, text=text) for r, text in zip(records, texts)]
+        name = f"{pipeline.name} (oracle)" if oracle else pipeline.name
         entry = pipeline_entry(
-            pipeline.name,
-            "speculative",
-            pipeline.proposer.name,
-            pipeline.verifier.name,
-            records,
-            baseline,
-            True,
+            name, "speculative", pipeline.proposer.name, pipeline.verifier.name, records, baseline, True
         )
         entry["info"] = pipeline.proposer.describe()
         entry["records"] = [r.as_dict() for r in records]
@@ -315,6 +382,7 @@ def run_replay(cfg: DictConfig) -> dict:
         "projected": True,
         "run": str(results_file),
         "cost_curve_file": cfg.cost_curve,
+        "oracle": bool(cfg.oracle),
         "model": run["model"],
         "dtype": run["dtype"],
         "device": run["device"],
