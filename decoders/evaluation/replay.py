@@ -77,7 +77,7 @@ class ReplaySession:
 
     def __init__(self, model: torch.nn.Module, reference: Reference) -> None:
         self.model = model
-        self.device = torch.device("cpu")
+        self.device = next(model.parameters()).device
         self.max_positions = None
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.sequence = reference.prompt_ids + reference.tokens
@@ -107,7 +107,7 @@ class ReplaySession:
             on_path = parent < 0 or follows[parent]
             follows.append(on_path and position < len(self.sequence) and self.sequence[position] == token)
         rows = [len(tokens) - 1] if last_only else range(len(tokens))
-        logits = torch.zeros(len(rows), self.vocab_size)
+        logits = torch.zeros(len(rows), self.vocab_size, device=self.device)
         for row, i in enumerate(rows):
             position = start + depths[i] + 1
             if follows[i] and position < len(self.sequence):
@@ -130,10 +130,11 @@ class ReplaySession:
 
 class AcceptedPathOnly(Proposer):
     """Sizing's oracle: the wrapped proposer's drafts cut to the path the recorded output
-    accepts, so every round pays T(n + 1) only for the n tokens it gains. Its speedup is
-    what the proposer's candidates allow under a perfect choice of draft: what is left
-    to a better sizing. The wrapped proposer observes its rounds in its own numbering,
-    the nodes cut away neither tried nor rejected."""
+    accepts, so every round pays T(n + 1) only for the n tokens it gains. With the
+    proposer's sizing on, its speedup bounds what sending less of its drafts could gain;
+    with it off (every candidate sent), what a perfect choice among its candidates would
+    reach. The wrapped proposer observes its rounds in its own numbering, the nodes cut
+    away neither tried nor rejected."""
 
     name = "oracle"
 
