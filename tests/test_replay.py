@@ -144,14 +144,16 @@ def test_replay_refuses_proposers_that_read_the_target_layers(tiny_pipeline):
 
 
 def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
-    """bench, then replay of its run: the same pipelines and outputs, tau as measured (a
-    deterministic proposer), times projected from the run's T(n) or a given one."""
+    """bench (two turns), then replay of its run: the same pipelines and outputs, tau as
+    measured (a deterministic proposer), times projected from a given T(n), the oracle."""
     from decoders import replay
 
     workload = write_workload(tmp_path)
     run_dir = tmp_path / "run"
     pipelines = "bench.pipelines=[{proposer:{name:ngram,adaptive:false},verifier:greedy,label:lookup}]"
-    run_bench(monkeypatch, tiny_overrides(workload, f"hydra.run.dir={run_dir}", pipelines))
+    run_bench(
+        monkeypatch, tiny_overrides(workload, f"hydra.run.dir={run_dir}", pipelines, "workload.turns=2")
+    )
     bench = {p["name"]: p for p in json.loads((run_dir / "results.json").read_text())["pipelines"]}
 
     curve_file = tmp_path / "curve.json"
@@ -177,6 +179,10 @@ def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
     assert lookup["identical_outputs"] == 1.0
     assert lookup["mean_accepted_tokens"] == pytest.approx(bench["lookup"]["mean_accepted_tokens"])
     assert lookup["speedup"] > 1.0  # drafts nearly free under this curve, and some accepted
+    # second turns carry standard decoding's first answer, rebuilt as the bench built them
+    recorded = {(r["prompt_id"], r["turn"]): r["tokens"] for r in bench["standard"]["records"]}
+    assert {(r["prompt_id"], r["turn"]): r["tokens"] for r in lookup["records"]} == recorded
+    assert {r["turn"] for r in lookup["records"]} == {0, 1}
     for plot in ("speedup_by_category.png", "tau_distribution.png", "cost_curve.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
 
