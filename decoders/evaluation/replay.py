@@ -244,36 +244,28 @@ def replay_pipeline(
     if oracle and proposer is not None:
         proposer = AcceptedPathOnly(proposer)
     greedy = SamplingConfig()
+    stop = StopConditions(
+        pipeline.max_new_tokens, pipeline.eos_token_ids(), pipeline.stop_strings, pipeline.tokenizer
+    )
     records = []
     for reference in references:
         if isinstance(proposer, AcceptedPathOnly):
             proposer.sequence = reference.prompt_ids + reference.tokens
-        stop = StopConditions(
-            pipeline.max_new_tokens, pipeline.eos_token_ids(), pipeline.stop_strings, pipeline.tokenizer
-        )
         session = ReplaySession(pipeline.model, reference)
         output = decode(session, reference.prompt_ids, stop, greedy, proposer, pipeline.verifier)  # type: ignore[arg-type]
         stats = output.stats
-        verify = sum(curve(size + 1) for size in stats.draft_sizes)
-        prefill = reference.prefill_time * prefill_scale
         records.append(
-            Record(
-                prompt_id=reference.prompt_id,
-                category=reference.category,
-                turn=reference.turn,
-                repeat=0,
-                new_tokens=stats.new_tokens,
-                wall_time=prefill + verify + stats.draft_time,
-                tokens=output.tokens,
-                target_passes=stats.target_passes,
-                proposed=stats.proposed,
-                accepted=stats.accepted,
-                draft_time=stats.draft_time,
-                verify_time=verify,
-                emitted_per_round=list(stats.emitted_per_round),
-                observe_time=stats.observe_time,
-                draft_sizes=list(stats.draft_sizes),
-                prefill_time=prefill,
+            projected_record(
+                reference,
+                curve,
+                prefill_scale,
+                output.tokens,
+                stats.draft_sizes,
+                stats.emitted_per_round,
+                stats.proposed,
+                stats.accepted,
+                stats.draft_time,
+                stats.observe_time,
             )
         )
     return records
@@ -285,28 +277,47 @@ def standard_records(
     """Standard decoding's records projected the same way: one T(1) pass per token after the first."""
     records = []
     for reference in references:
-        prefill = reference.prefill_time * prefill_scale
         passes = max(len(reference.tokens) - 1, 0)
         records.append(
-            Record(
-                prompt_id=reference.prompt_id,
-                category=reference.category,
-                turn=reference.turn,
-                repeat=0,
-                new_tokens=len(reference.tokens),
-                wall_time=prefill + passes * curve(1),
-                tokens=reference.tokens,
-                target_passes=passes,
-                proposed=0,
-                accepted=0,
-                draft_time=0.0,
-                verify_time=passes * curve(1),
-                emitted_per_round=[1] * passes,
-                draft_sizes=[0] * passes,
-                prefill_time=prefill,
-            )
+            projected_record(reference, curve, prefill_scale, reference.tokens, [0] * passes, [1] * passes)
         )
     return records
+
+
+def projected_record(
+    reference: Reference,
+    curve: CostCurve,
+    prefill_scale: float,
+    tokens: list[int],
+    draft_sizes: list[int],
+    emitted_per_round: list[int],
+    proposed: int = 0,
+    accepted: int = 0,
+    draft_time: float = 0.0,
+    observe_time: float = 0.0,
+) -> Record:
+    """A bench record of one replayed request: the recorded prefill (scaled), T(n + 1) for
+    each round's draft of n tokens, and the drafting measured."""
+    prefill = reference.prefill_time * prefill_scale
+    verify = sum(curve(size + 1) for size in draft_sizes)
+    return Record(
+        prompt_id=reference.prompt_id,
+        category=reference.category,
+        turn=reference.turn,
+        repeat=0,
+        new_tokens=len(tokens),
+        wall_time=prefill + verify + draft_time,
+        tokens=tokens,
+        target_passes=len(draft_sizes),
+        proposed=proposed,
+        accepted=accepted,
+        draft_time=draft_time,
+        verify_time=verify,
+        emitted_per_round=list(emitted_per_round),
+        observe_time=observe_time,
+        draft_sizes=list(draft_sizes),
+        prefill_time=prefill,
+    )
 
 
 def replayable(pipelines: list[Pipeline], report: bool = False) -> list[Pipeline]:
