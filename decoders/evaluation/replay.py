@@ -21,6 +21,9 @@ projects them there, the prefill scaled by T(1)'s ratio. A replay takes seconds 
 pipeline where a bench takes minutes, so sizing and drafting ideas can be compared
 before they are measured; its figures are projections, and the tables say so.
 
+:class:`AcceptedPathOnly` (``oracle=true``) wraps a proposer so that every draft is cut
+to the path the recorded output accepts: the bound a sizing of its drafts can reach.
+
 Proposers that draft with the target's inner layers (early exit's shallow layers,
 EAGLE's features) need its real passes: :attr:`Proposer.reads_target_layers`, and a
 replay skips them. Sampling is not replayed (its outputs are not fixed by the run).
