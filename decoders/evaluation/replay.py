@@ -401,7 +401,7 @@ def run_replay(cfg: DictConfig) -> dict:
         "model": run["model"],
         "dtype": run["dtype"],
         "device": run["device"],
-        "machine": machine_info(torch.device("cpu")),
+        "machine": machine_info(base.session.device),
         "run_machine": run.get("machine"),
         "temperature": 0.0,
         "max_new_tokens": run["max_new_tokens"],
