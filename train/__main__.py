@@ -8,12 +8,14 @@ from omegaconf import DictConfig
 from decoders.cli.config import CONF_DIR
 from decoders.cli.errors import cli_errors
 from train.job import run
+from train.processes import leave_process_group
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 @cli_errors
 def main(cfg: DictConfig) -> None:
     run(cfg)
+    leave_process_group()  # after success only: a failed process must not wait for the others
 
 
 if __name__ == "__main__":

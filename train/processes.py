@@ -1,6 +1,6 @@
 """This process's place in a training run: accelerate's ``PartialState``, set up once.
 
-Two things accelerate leaves to the caller, and why they are here:
+Three things accelerate leaves to the caller, and why they are here:
 
 * On a machine without CUDA, processes started by ``torchrun`` or ``accelerate launch
   --multi_gpu`` join one CPU (gloo) group only if accelerate is told the run is on CPU;
@@ -8,6 +8,9 @@ Two things accelerate leaves to the caller, and why they are here:
 * ``accelerate launch --cpu --num_processes N`` starts one process, not N (its simple
   launcher; several CPU processes need ``--mpirun_hostfile``). That run is refused with
   the commands that do start N.
+* A run's processes leave the group together (:func:`leave_process_group`): a process
+  that exits while another still holds the group's connections can make the other's
+  transport fail at exit, and the launcher report the whole run as failed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ def process_state() -> PartialState:
             "or `torchrun --nproc_per_node N -m train ...`"
         )
     return PartialState(cpu=cpu)
+
+
+def leave_process_group() -> None:
+    """The end of a run in several processes: all of them reach this point, then the
+    group is torn down in each, before any of them exits."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _one_of_many_requested() -> bool:
