@@ -70,6 +70,7 @@ def accelerate_launch(args: list[str]) -> subprocess.CompletedProcess:
     """A launch expected to succeed. A worker killed by SIGABRT is a crash inside torch's
     C++ transport, never the project's Python (whose errors exit with a status): the
     launch runs once more, with a warning that keeps the crash's output."""
+
     def once() -> subprocess.CompletedProcess:
         port = str(free_port())
         return launch(["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port",
@@ -77,7 +78,10 @@ def accelerate_launch(args: list[str]) -> subprocess.CompletedProcess:
 
     result = once()
     if result.returncode != 0 and "(SIGABRT)" in result.stdout:
-        warnings.warn(f"a worker aborted in torch's transport; launched again. The crash:\n{failure(result)}")
+        warnings.warn(
+            f"a worker aborted in torch's transport; launched again. The crash:\n{failure(result)}",
+            stacklevel=2,
+        )
         result = once()
     return result
 
