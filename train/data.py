@@ -36,8 +36,8 @@ class DataConfig:
     """``train.data``: which prompts, how many, and how the target answers them."""
 
     path: str | None = None  # JSONL of prompts; replaces the built-in mix
-    magpie_prompts: int = 512  # requests the target writes itself
-    templated_prompts: int = 512  # requests from task templates
+    magpie_prompts: int = 1024  # requests the target writes itself
+    templated_prompts: int = 1024  # requests from task templates
     passages: int = 48  # texts the target writes for summarization / extraction / RAG prompts
     max_query_tokens: int = 64  # length limit of a Magpie request
     max_new_tokens: int = 128  # length limit of a response (and of a passage)
