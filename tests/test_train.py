@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from collections import Counter
 from pathlib import Path
@@ -182,7 +183,7 @@ def test_interrupted_training_resumes_to_the_same_result(tmp_path):
         torch.testing.assert_close(got, want)
 
 
-def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_config):
+def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_config, monkeypatch):
     artifact = train_tiny_medusa(tmp_path)
     meta = json.loads((artifact / "medusa.json").read_text())
     assert (artifact / "heads.safetensors").exists()
@@ -229,6 +230,30 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
     assert set(measured["eval_metrics"]) == {"eval", "eval/a", "eval/b"}
     assert measured["eval_metrics"]["eval/a"]["positions"] > 0
     assert measured["tree"] == meta["tree"] and measured["metrics"]["top1"] == meta["metrics"]["top1"]
+
+    # With no artifact of the user's, the shipped copy is measured; it is package data, so it
+    # stays as shipped and the measurement goes to the run's folder. With neither, the error
+    # names the command that trains one.
+    from decoders.engine import context as context_module
+
+    shipped_root = tmp_path / "shipped"
+    shutil.copytree(artifact, shipped_root / meta["target"] / "medusa")
+    shipped_meta = (shipped_root / meta["target"] / "medusa" / "medusa.json").read_text()
+    monkeypatch.setattr(context_module, "SHIPPED_ARTIFACTS", shipped_root)
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    elsewhere = [f"artifacts_dir={tmp_path / 'none'}", f"train.data_dir={artifact.parent / 'data'}"]
+    measure_again = [*TINY_RECIPE, *elsewhere, "train.eval.only=true", f"train.eval.path={questions}"]
+    assert run(compose_train(measure_again)) == shipped_root / meta["target"] / "medusa"
+    assert (shipped_root / meta["target"] / "medusa" / "medusa.json").read_text() == shipped_meta
+    recorded = json.loads((tmp_path / "run" / "medusa_measured.json").read_text())
+    assert recorded["eval_metrics"] == measured["eval_metrics"]
+    monkeypatch.setattr(context_module, "SHIPPED_ARTIFACTS", tmp_path / "none-shipped")
+    with pytest.raises(
+        FileNotFoundError,
+        match="no medusa artifact at .*train one first with `python -m train drafter=medusa",
+    ):
+        run(compose_train(measure_again))
 
 
 def test_unknown_drafter_lists_the_known_ones():

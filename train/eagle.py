@@ -93,19 +93,15 @@ def train(job: TrainJob) -> Path:
     target = job.pipeline.model
     num_layers = len(target.get_decoder().layers)
     layers = resolve_layers(cfg.feature_layers, num_layers)
-    if job.eval_only:
+    if job.eval_only:  # measure the existing artifact again (e.g. on new eval prompts)
         if not job.is_main_process:
             return job.output_dir
-        if not (job.output_dir / CONFIG_FILE).exists():
-            raise FileNotFoundError(
-                f"train.eval.only=true, but there is no EAGLE artifact at {job.output_dir}"
-            )
-        artifact = load_artifact(job.output_dir, target)
-        drafter = artifact.drafter.float()
-        metrics = measure(job, drafter, heldout, cfg)
-        meta = {**artifact.meta, "metrics": metrics.pop("heldout"), "eval_metrics": metrics}
-        (job.output_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        return job.output_dir
+        directory = job.measured_artifact(CONFIG_FILE)
+        artifact = load_artifact(directory, target)
+        job.record_measurement(
+            directory, CONFIG_FILE, artifact.meta, measure(job, artifact.drafter.float(), heldout, cfg)
+        )
+        return directory
 
     vocab_size = target.get_output_embeddings().weight.shape[0]
     counts = torch.bincount(

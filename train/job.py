@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import sys
 import time
@@ -25,9 +26,11 @@ from pathlib import Path
 from types import ModuleType
 
 from accelerate import PartialState
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from decoders.cli.config import model_config, store_schema, to_dataclass
+from decoders.engine.context import artifact_source
 from decoders.engine.pipeline import Pipeline
 from decoders.engine.registry import store_named_config
 from decoders.models.loading import ModelConfig, load_model
@@ -158,6 +161,36 @@ class TrainJob:
         """Measure the existing artifact (``train.eval.only=true``) instead of training."""
         return self.options.eval.only
 
+    def measured_artifact(self, config_file: str) -> Path:
+        """What ``train.eval.only=true`` measures: ``train.output`` if set, else the artifact
+        the proposer loads (the user's own, else the copy shipped with the project)."""
+        output = self.options.output
+        context = self.pipeline.context
+        directory = Path(output) if output else context.artifact_path(self.drafter)
+        if not (directory / config_file).exists():
+            raise FileNotFoundError(
+                f"train.eval.only=true, but there is no {self.drafter} artifact at {directory}: "
+                f"train one first with `{context.train_command(self.drafter, output)}`"
+            )
+        return directory
+
+    def record_measurement(self, directory: Path, config_file: str, meta: dict, metrics: dict) -> Path:
+        """Keep a ``train.eval.only`` measurement (``metrics``: "heldout" and the eval
+        prompts' entries) in the artifact's metadata; a shipped artifact is package data and
+        stays as shipped, so its measurement goes to the run's output folder. -> the file."""
+        measured = {**meta, "metrics": metrics["heldout"], "eval_metrics": {
+            name: values for name, values in metrics.items() if name != "heldout"
+        }}  # fmt: skip
+        if artifact_source(directory)["shipped"]:
+            folder = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
+            destination = folder / f"{self.drafter}_measured.json"
+        else:
+            destination = directory / config_file
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        destination.write_text(json.dumps(measured, indent=2))
+        print(f"[train] measured {directory}; recorded in {destination}", file=sys.stderr)
+        return destination
+
     def sequences(self) -> list[Sequence]:
         """The self-distilled training data (generated on first use, then cached). The
         ``train.eval.path`` responses are generated here too, while every process can
@@ -195,7 +228,7 @@ def run(cfg: DictConfig) -> Path:
         output = module.train(TrainJob(cfg, pipeline, logger))
     finally:
         logger.finish()
-    if state.is_main_process:
+    if state.is_main_process and not cfg.train.eval.only:
         print(f"[train] {cfg.drafter.name} artifact written to {output}", file=sys.stderr)
     return output
 

@@ -89,15 +89,12 @@ def train(job: TrainJob) -> Path:
     if job.eval_only:  # measure the existing artifact again (e.g. on new eval prompts)
         if not job.is_main_process:
             return job.output_dir
-        if not (job.output_dir / CONFIG_FILE).exists():
-            raise FileNotFoundError(
-                f"train.eval.only=true, but there is no Medusa artifact at {job.output_dir}"
-            )
-        artifact = load_artifact(job.output_dir, lm_head, embeddings)
-        metrics = measure(job, artifact.heads, heldout, cfg)
-        meta = {**artifact.meta, "metrics": metrics.pop("heldout"), "eval_metrics": metrics}
-        (job.output_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        return job.output_dir
+        directory = job.measured_artifact(CONFIG_FILE)
+        artifact = load_artifact(directory, lm_head, embeddings)
+        job.record_measurement(
+            directory, CONFIG_FILE, artifact.meta, measure(job, artifact.heads, heldout, cfg)
+        )
+        return directory
     vocab_size, hidden_size = lm_head.weight.shape
     draft_vocab = draft_vocabulary(training, vocab_size, cfg.draft_vocab_size)
     heads, peft_heads = build_heads(lm_head, cfg, draft_vocab, embeddings)
