@@ -178,9 +178,8 @@ class TrainJob:
         """Keep a ``train.eval.only`` measurement (``metrics``: "heldout" and the eval
         prompts' entries) in the artifact's metadata; a shipped artifact is package data and
         stays as shipped, so its measurement goes to the run's output folder. -> the file."""
-        measured = {**meta, "metrics": metrics["heldout"], "eval_metrics": {
-            name: values for name, values in metrics.items() if name != "heldout"
-        }}  # fmt: skip
+        evaluated = {name: values for name, values in metrics.items() if name != "heldout"}
+        measured = {**meta, "metrics": metrics["heldout"], "eval_metrics": evaluated}
         if artifact_source(directory)["shipped"]:
             folder = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
             destination = folder / f"{self.drafter}_measured.json"
