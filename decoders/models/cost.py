@@ -125,8 +125,8 @@ def measure_cost_curve(
 # so that curves cached under older kernels are measured again. 2: single rows on the
 # narrow route, its products over row-major inputs. 3: exact mode's default route computes
 # passes wider than its measured widest invariant product in blocks. 4: float32 passes of
-# 5 rows and more on oneDNN's packed linear.
-KERNELS_VERSION = 4
+# 5 rows and more on oneDNN's packed linear. 5: bfloat16 passes on oneDNN's packed linear.
+KERNELS_VERSION = 5
 
 DISTURBED = 1.25  # a sweep whose median pass took this much longer than its fastest is not cached
 

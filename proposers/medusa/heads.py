@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from decoders.models.kernels import PackedProduct
 from proposers.copy_attention import ContextMemory, CopyAttention, drafting_log_probs
 from proposers.vocabulary import ReducedVocabulary
 
@@ -240,13 +241,15 @@ class DraftProjection:
     # Drafting is mostly the product of a few states with the weight, and which memory
     # layout CPU kernels handle well depends on how many states there are: one state
     # is fastest times weight_t (hidden, n), a dynamic tree's level of 4 as
-    # weight @ states.T (timings in README.md, dynamic Medusa trees). Both are kept (_base).
+    # weight @ states.T (timings in README.md, dynamic Medusa trees). Both are kept (_base),
+    # for where oneDNN's packed linear (faster than either on x86 CPUs) is not available.
     weight: torch.Tensor  # (n, hidden)
     weight_t: torch.Tensor  # (hidden, n), contiguous
     bias: torch.Tensor | None  # (n,)
     lora_a: torch.Tensor  # (K, rank, hidden)
     lora_b_t: torch.Tensor  # (K, rank, n), LoRA scale folded in
     vocab_size: int
+    packed: PackedProduct | None = None  # the base product on oneDNN's packed linear (CPU)
 
     @classmethod
     def gather(cls, heads: MedusaHeads) -> DraftProjection:
@@ -272,6 +275,7 @@ class DraftProjection:
             torch.stack(lora_a).detach(),
             torch.stack(lora_b).detach().transpose(1, 2).contiguous(),
             heads.vocab_size,
+            PackedProduct.of(base.weight),
         )
 
     def logits(self, residual: torch.Tensor, full: bool = True) -> torch.Tensor:
@@ -286,7 +290,9 @@ class DraftProjection:
         return self._base(residual) + (residual @ self.lora_a[k].T) @ self.lora_b_t[k]
 
     def _base(self, residual: torch.Tensor) -> torch.Tensor:
-        if len(residual) == 1:
+        if self.packed is not None:
+            logits = self.packed(residual)  # (B, n)
+        elif len(residual) == 1:
             logits = residual @ self.weight_t  # (1, n)
         else:
             logits = (self.weight @ residual.T).T  # (B, n)
