@@ -139,7 +139,11 @@ def _packed_weight(module: torch.nn.Linear) -> torch.Tensor | None:
     whenever the weight changed (its storage or its in-place version); None where the
     packed route does not apply: not float32 or bfloat16, or a product autograd must see."""
     weight = module.weight
-    if weight.dtype not in (torch.float32, *PACKED_DTYPES) or not packed_route_available() or (torch.is_grad_enabled() and weight.requires_grad):
+    if (
+        weight.dtype not in (torch.float32, *PACKED_DTYPES)
+        or not packed_route_available()
+        or (torch.is_grad_enabled() and weight.requires_grad)
+    ):
         return None
     # inference tensors keep no version counter: their storage alone identifies them
     stamp = (weight.data_ptr(), None if weight.is_inference() else weight._version)
