@@ -17,12 +17,16 @@ shape, and the chunks are combined flash-decoding style:
 
     out = sum_c exp(max_c - max) * values_c / sum_c exp(max_c - max) * sum_c
 
+The scores of every row against every key come from one product, and each row's
+are then laid out as its own pass has them (a gather of scores, not of keys).
 Chunks wholly inside the prefix are shared by all rows of the pass; only the
-last one or two (from the prefix's last chunk boundary on) are gathered per
-row, so a tree costs one small gather, not a copy of the prefix per node.
+values of the last one or two (from the prefix's last chunk boundary on) are
+gathered per row, so a tree costs one small gather, not a copy of the prefix per
+node.
 What this relies on, measured on the CPU kernels (MKL float32/float64, oneDNN
 bfloat16) and re-checked at load time by :mod:`decoders.models.invariance`: a matmul
-row's bits do not depend on the batch size or on how many other rows share it
+row's bits do not depend on the batch size, on how many other rows share it or on
+how many columns (keys, padded to whole chunks) the product has
 (in float32 and float64 once there are at least ``MKL_MIN_ROWS``; products of
 fewer are padded with zero rows), and reductions over a fixed length, or
 sequential over a leading dimension padded with zeros, do not change.
@@ -86,7 +90,8 @@ Layout = tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]
 
 def tail_layout(mask: torch.Tensor | None, prefix: int, rows: int, device: torch.device) -> Layout | None:
     """Key positions (rows, width) each row reads from the last chunk boundary of
-    the prefix on, which of them are real (rows, width) bool, and the rows that sum
+    the prefix on, counted from that boundary (0 where no key), which of them are
+    real (rows, width) bool, and the rows that sum
     fewer chunks than the pass has (:func:`_layout_from_block`); None when some
     row does not see the whole prefix (padding: not a decode pass).
 
@@ -126,11 +131,11 @@ def _layout_from_block(block: torch.Tensor, prefix: int) -> Layout:
     width = -(-(lead + rows) // CHUNK) * CHUNK
     index = torch.zeros(rows, width, dtype=torch.long, device=block.device)
     real = torch.zeros(rows, width, dtype=torch.bool, device=block.device)
-    index[:, :lead] = torch.arange(start, prefix, device=block.device)
+    index[:, :lead] = torch.arange(lead, device=block.device)
     real[:, :lead] = True
     row, col = block.nonzero(as_tuple=True)  # row-major: each row's tokens in block order
     slot = lead + block.long().cumsum(1)[row, col] - 1
-    index[row, slot] = prefix + col
+    index[row, slot] = lead + col
     real[row, slot] = True
     chunks = width // CHUNK
     last_used = real.reshape(rows, chunks, CHUNK).any(-1).long().cumsum(-1).argmax(-1)  # (rows,)
@@ -156,26 +161,41 @@ def _invariant_attention(
     index, real, shorter = layout
     width = index.shape[1]
     shared = prefix - prefix % CHUNK  # keys in chunks every row sees whole
+    chunks = (shared + width) // CHUNK
 
-    parts = []  # (peak, total, mixed): (kv_heads, groups, rows, chunks[, d])
+    # Every query row against every key in one product, the keys padded to whole chunks:
+    # a score's bits depend on its query row and key only (not on which other rows or
+    # keys share the product; the start-up check and tests/test_exact.py hold this).
+    packed = query.reshape(kv_heads, groups * rows, dim)  # query rows (group, row) per key head
+    padded = -(-key.shape[1] // CHUNK) * CHUNK
+    keys = (
+        key
+        if padded == key.shape[1]
+        else torch.cat([key, key.new_zeros(kv_heads, padded - key.shape[1], dim)], 1)
+    )
+    scores = _rows_product(packed, keys.transpose(-1, -2)) * scale  # (kv_heads, groups * rows, padded)
+    scores = scores.reshape(kv_heads, groups, rows, padded)
+    # each row's keys laid out as its own pass has them: the shared chunks, then its tail
+    tail = scores[..., shared:].gather(-1, index.expand(kv_heads, groups, rows, width))
+    laid_out = torch.cat([scores[..., :shared], tail.masked_fill(~real, float("-inf"))], -1)
+    laid_out = laid_out.unflatten(-1, (chunks, CHUNK))  # (kv_heads, groups, rows, chunks, C)
+    peak = laid_out.amax(-1)  # (kv_heads, groups, rows, chunks); -inf: no key in the chunk
+    exps = torch.exp(laid_out - torch.where(peak.isinf(), 0.0, peak).unsqueeze(-1))  # masked keys: 0
+    total = exps.sum(-1)  # always over CHUNK keys
+
+    # exp-weighted values per chunk: shared chunks for all rows in one product, the tail
+    # per row over its own values (kv_heads, rows, tail chunks, C, d)
+    parts = []
     if shared:
-        packed = query.reshape(kv_heads, groups * rows, dim)  # query rows (group, row) per key head
-        peak, total, mixed = _chunk_stats(packed, key[:, :shared], value[:, :shared], None, scale)
-        unpack = (kv_heads, groups, rows, shared // CHUNK)
-        parts.append((peak.reshape(unpack), total.reshape(unpack), mixed.reshape(*unpack, dim)))
-    flat = index.reshape(-1)
-    tail_keys = key.index_select(1, flat).reshape(
-        kv_heads, rows, width, dim
-    )  # each row's tail, standard layout
-    tail_values = value.index_select(1, flat).reshape(kv_heads, rows, width, dim)
-    per_row = query.reshape(kv_heads, groups, rows, dim).transpose(1, 2)  # (kv_heads, rows, groups, d)
-    tail_real = real.reshape(1, rows, 1, width // CHUNK, CHUNK)
-    peak, total, mixed = _chunk_stats(per_row, tail_keys, tail_values, tail_real, scale)
-    parts.append((peak.transpose(1, 2), total.transpose(1, 2), mixed.transpose(1, 2)))
+        probs = exps[..., : shared // CHUNK, :].permute(0, 3, 1, 2, 4).flatten(2, 3)  # (kv, n, g*r, C)
+        mixed = _rows_product(probs, value[:, :shared].unflatten(1, (shared // CHUNK, CHUNK)))
+        parts.append(mixed.unflatten(2, (groups, rows)).permute(0, 2, 3, 1, 4))  # (kv, g, r, n, d)
+    tail_values = value[:, shared:].index_select(1, index.reshape(-1))
+    tail_values = tail_values.reshape(kv_heads, rows, width // CHUNK, CHUNK, dim)
+    probs = exps[..., shared // CHUNK :, :].permute(0, 2, 3, 1, 4)  # (kv, r, tail chunks, g, C)
+    parts.append(_rows_product(probs, tail_values).permute(0, 3, 1, 2, 4))  # (kv, g, r, tail chunks, d)
+    mixed = torch.cat(parts, -2) if len(parts) > 1 else parts[0]  # (kv_heads, groups, rows, chunks, d)
 
-    peak = torch.cat([p for p, _, _ in parts], dim=-1)  # (kv_heads, groups, rows, chunks)
-    total = torch.cat([t for _, t, _ in parts], dim=-1)
-    mixed = torch.cat([m for _, _, m in parts], dim=-2)  # (kv_heads, groups, rows, chunks, d)
     weight = torch.exp(peak - peak.amax(-1, keepdim=True))  # a chunk no key of which the row sees: 0
     # Sums over the chunk axis run along a leading dimension (sequential, so chunks a
     # row does not reach add exact zeros); the softmax sum rides along as column d.
@@ -188,41 +208,15 @@ def _invariant_attention(
     return out.reshape(heads, rows, dim)
 
 
-def _chunk_stats(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    real: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Partial softmax of each query row over each chunk of ``CHUNK`` keys.
-
-    query (..., m, d); key/value (..., L, d) with L a multiple of CHUNK; real:
-    None or bool broadcastable to (..., m, L / CHUNK, CHUNK), False = not a key.
-    Returns the chunk's max score (..., m, n) (-inf: no key), sum of exp(score -
-    max) (..., m, n) and exp-weighted values (..., m, n, d), in float32 or float64.
-    """
-    rows = query.shape[-2]
-    pad = MKL_MIN_ROWS - rows if query.dtype in (torch.float32, torch.float64) else 0
-    if pad > 0:
-        query = torch.cat([query, query.new_zeros(*query.shape[:-2], pad, query.shape[-1])], -2)
-    chunks = key.shape[-2] // CHUNK
-    compute = torch.promote_types(query.dtype, torch.float32)
-    scores = torch.matmul(query, key.transpose(-1, -2))
-    scores = (scores[..., :rows, :] if pad > 0 else scores).to(compute) * scale  # (..., m, L)
-    scores = scores.unflatten(-1, (chunks, CHUNK))  # (..., m, n, C)
-    if real is not None:
-        scores = scores.masked_fill(~real, float("-inf"))
-    peak = scores.amax(-1)  # (..., m, n)
-    offset = peak if real is None else torch.where(peak.isinf(), 0.0, peak)  # no key in the chunk: 0
-    exps = torch.exp(scores - offset.unsqueeze(-1))  # masked keys: 0
-    total = exps.sum(-1)  # (..., m, n), always over CHUNK keys
-    probs = exps.to(value.dtype).transpose(-3, -2)  # (..., n, m, C)
-    if pad > 0:
-        probs = torch.cat([probs, probs.new_zeros(*probs.shape[:-2], pad, CHUNK)], -2)
-    mixed = torch.matmul(probs, value.unflatten(-2, (chunks, CHUNK)))  # (..., n, m, d)
-    mixed = mixed[..., :rows, :] if pad > 0 else mixed
-    return peak, total, mixed.transpose(-3, -2).to(compute)
+def _rows_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (batched), with ``a``'s rows padded with zeros to ``MKL_MIN_ROWS`` in
+    float32 and float64: MKL computes products of fewer rows with other sums."""
+    rows = a.shape[-2]
+    pad = MKL_MIN_ROWS - rows if a.dtype in (torch.float32, torch.float64) else 0
+    if pad <= 0:
+        return torch.matmul(a, b)
+    a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], -2)
+    return torch.matmul(a, b)[..., :rows, :]
 
 
 def use_exact_attention(model: torch.nn.Module) -> bool:
