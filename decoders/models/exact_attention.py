@@ -161,41 +161,35 @@ def _invariant_attention(
     index, real, shorter = layout
     width = index.shape[1]
     shared = prefix - prefix % CHUNK  # keys in chunks every row sees whole
-    chunks = (shared + width) // CHUNK
 
-    # Every query row against every key in one product, the keys padded to whole chunks:
-    # a score's bits depend on its query row and key only (not on which other rows or
-    # keys share the product; the start-up check and tests/test_exact.py hold this).
+    # Every query row against the shared keys in one product, and against the tail's keys
+    # (padded to whole chunks) in another: a score's bits depend on its query row and key
+    # only, not on which other rows or keys share the product (the start-up check and
+    # tests/test_exact.py hold this). Each row's tail scores are then gathered into the
+    # layout its own pass has: a gather of scores, not of keys.
     packed = query.reshape(kv_heads, groups * rows, dim)  # query rows (group, row) per key head
-    padded = -(-key.shape[1] // CHUNK) * CHUNK
-    keys = (
-        key
-        if padded == key.shape[1]
-        else torch.cat([key, key.new_zeros(kv_heads, padded - key.shape[1], dim)], 1)
-    )
-    scores = _rows_product(packed, keys.transpose(-1, -2)) * scale  # (kv_heads, groups * rows, padded)
-    scores = scores.reshape(kv_heads, groups, rows, padded)
-    # each row's keys laid out as its own pass has them: the shared chunks, then its tail
-    tail = scores[..., shared:].gather(-1, index.expand(kv_heads, groups, rows, width))
-    laid_out = torch.cat([scores[..., :shared], tail.masked_fill(~real, float("-inf"))], -1)
-    laid_out = laid_out.unflatten(-1, (chunks, CHUNK))  # (kv_heads, groups, rows, chunks, C)
-    peak = laid_out.amax(-1)  # (kv_heads, groups, rows, chunks); -inf: no key in the chunk
-    exps = torch.exp(laid_out - torch.where(peak.isinf(), 0.0, peak).unsqueeze(-1))  # masked keys: 0
-    total = exps.sum(-1)  # always over CHUNK keys
-
-    # exp-weighted values per chunk: shared chunks for all rows in one product, the tail
-    # per row over its own values (kv_heads, rows, tail chunks, C, d)
-    parts = []
+    parts = []  # (peak, total, mixed): (kv_heads, groups, rows, chunks[, d])
     if shared:
-        probs = exps[..., : shared // CHUNK, :].permute(0, 3, 1, 2, 4).flatten(2, 3)  # (kv, n, g*r, C)
-        mixed = _rows_product(probs, value[:, :shared].unflatten(1, (shared // CHUNK, CHUNK)))
-        parts.append(mixed.unflatten(2, (groups, rows)).permute(0, 2, 3, 1, 4))  # (kv, g, r, n, d)
-    tail_values = value[:, shared:].index_select(1, index.reshape(-1))
-    tail_values = tail_values.reshape(kv_heads, rows, width // CHUNK, CHUNK, dim)
-    probs = exps[..., shared // CHUNK :, :].permute(0, 2, 3, 1, 4)  # (kv, r, tail chunks, g, C)
-    parts.append(_rows_product(probs, tail_values).permute(0, 3, 1, 2, 4))  # (kv, g, r, tail chunks, d)
-    mixed = torch.cat(parts, -2) if len(parts) > 1 else parts[0]  # (kv_heads, groups, rows, chunks, d)
+        scores = _rows_product(packed, key[:, :shared].transpose(-1, -2)) * scale  # (kv, g*r, shared)
+        peak, total, exps = _partial_softmax(scores)  # (kv, g*r, n[, C])
+        values = value[:, :shared].unflatten(1, (shared // CHUNK, CHUNK))  # (kv, n, C, d)
+        mixed = _rows_product(exps.transpose(1, 2), values).transpose(1, 2)  # (kv, g*r, n, d)
+        unpack = (kv_heads, groups, rows, shared // CHUNK)
+        parts.append((peak.reshape(unpack), total.reshape(unpack), mixed.reshape(*unpack, dim)))
+    tail_keys = key[:, shared:]
+    if tail_keys.shape[1] < width:
+        tail_keys = torch.cat([tail_keys, key.new_zeros(kv_heads, width - tail_keys.shape[1], dim)], 1)
+    scores = _rows_product(packed, tail_keys.transpose(-1, -2)).reshape(kv_heads, groups, rows, width)
+    scores = scores.gather(-1, index.expand(kv_heads, groups, rows, width)) * scale
+    peak, total, exps = _partial_softmax(scores.masked_fill(~real, float("-inf")))  # (kv, g, r, nt[, C])
+    values = value[:, shared:].index_select(1, index.reshape(-1))  # each row's tail values, its layout
+    values = values.reshape(kv_heads, rows, width // CHUNK, CHUNK, dim)
+    mixed = _rows_product(exps.permute(0, 2, 3, 1, 4), values)  # (kv, r, nt, g, d)
+    parts.append((peak, total, mixed.permute(0, 3, 1, 2, 4)))
 
+    peak = torch.cat([p for p, _, _ in parts], dim=-1)  # (kv_heads, groups, rows, chunks)
+    total = torch.cat([t for _, t, _ in parts], dim=-1)
+    mixed = torch.cat([m for _, _, m in parts], dim=-2)  # (kv_heads, groups, rows, chunks, d)
     weight = torch.exp(peak - peak.amax(-1, keepdim=True))  # a chunk no key of which the row sees: 0
     # Sums over the chunk axis run along a leading dimension (sequential, so chunks a
     # row does not reach add exact zeros); the softmax sum rides along as column d.
@@ -206,6 +200,16 @@ def _invariant_attention(
         summed = torch.where(selected[:, None], fewer, summed)
     out = summed[..., :dim] / summed[..., dim:]
     return out.reshape(heads, rows, dim)
+
+
+def _partial_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scores (..., n * CHUNK), -inf where no key -> per chunk the max score (..., n) (-inf:
+    no key), the sum of exp(score - max) (..., n), always over CHUNK keys, and the exps
+    (..., n, CHUNK) (0 where no key)."""
+    scores = scores.unflatten(-1, (-1, CHUNK))
+    peak = scores.amax(-1)
+    exps = torch.exp(scores - torch.where(peak.isinf(), 0.0, peak).unsqueeze(-1))
+    return peak, exps.sum(-1), exps
 
 
 def _rows_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
