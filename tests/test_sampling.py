@@ -148,6 +148,41 @@ def test_sample_never_draws_zero_probability_tokens():
     assert set(draws.tolist()) == {0, 2}
 
 
+def test_sample_draws_each_token_with_its_probability():
+    """Inverse-CDF draws, rows unnormalised and batched: frequencies pass a chi-square
+    test against the rows' shares, and zero-probability tokens (leading, inner and
+    trailing) never come up."""
+    from scipy.stats import chisquare
+
+    rows = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [3.0, 0.0, 1.0, 0.0, 0.0, 0.0]])  # second sums to 4
+    generator = torch.Generator().manual_seed(0)
+    draws = sample(rows.repeat(20000, 1), generator).reshape(20000, 2)  # (draws, rows)
+    for r, row in enumerate(rows):
+        counts = torch.bincount(draws[:, r], minlength=len(row))
+        support = row > 0
+        assert counts[~support].sum() == 0
+        expected = (row[support] / row.sum() * len(draws)).tolist()
+        assert chisquare(counts[support].tolist(), expected).pvalue > 1e-3
+
+
+def test_sample_keeps_the_leading_shape_and_is_reproducible():
+    probs = processed_probs(
+        torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(1)), SamplingConfig(1.0)
+    )
+    first = sample(probs, torch.Generator().manual_seed(7))
+    assert first.shape == (3, 4) and first.dtype == torch.long
+    assert torch.equal(first, sample(probs, torch.Generator().manual_seed(7)))
+    assert sample(probs[0, 0], torch.Generator().manual_seed(7)).shape == ()
+
+
+@pytest.mark.parametrize(
+    "row", [[0.0, 0.0, 0.0], [0.5, -0.1, 0.6], [0.5, float("nan"), 0.5], [float("inf"), 0.0, 1.0]]
+)
+def test_sample_refuses_rows_that_are_not_distributions(row):
+    with pytest.raises(ValueError, match="cannot sample"):
+        sample(torch.tensor(row), torch.Generator().manual_seed(0))
+
+
 def test_next_token_honours_the_sampling_settings():
     generator = torch.Generator().manual_seed(0)
     assert next_token(LOGITS, SamplingConfig(temperature=0.0), generator) == 2

@@ -178,6 +178,38 @@ def test_multi_draft_walk_follows_certain_branches():
     assert acceptance.path == [1] and acceptance.tokens == [6, 9]
 
 
+def test_tree_verifier_processes_only_the_rows_its_walk_reaches(monkeypatch):
+    """The verifier turns a row's logits into probabilities when its walk gets there:
+    the verdicts of processing every row first, from the accepted path's rows alone."""
+    from verifiers import tree as tree_module
+
+    draft = Draft([5, 6, 7, 8, 2], [-1, -1, 1, 1, 3])  # a tree with a sibling at two levels
+    sampling = SamplingConfig(temperature=0.8, top_k=6)
+    logits = torch.randn(6, 10, generator=torch.Generator().manual_seed(4))
+    for row, token in [(0, 5), (0, 6), (2, 7), (2, 8), (4, 2)]:  # the tree's tokens likely, not certain
+        logits[row, token] = 2.5
+    processed: list[int] = []
+
+    def counting(rows: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+        processed.append(rows.shape[:-1].numel())
+        return processed_probs(rows, config)
+
+    monkeypatch.setattr(tree_module, "processed_probs", counting)
+    paths = set()
+    for seed in range(40):
+        everything = multi_draft_walk(
+            draft, processed_probs(logits, sampling), torch.Generator().manual_seed(seed)
+        )
+        processed.clear()
+        verified = TreeVerifier(TreeVerifier.Config()).verify(
+            draft, logits, sampling, torch.Generator().manual_seed(seed)
+        )
+        assert verified == everything
+        assert sum(processed) == verified.num_accepted + 1  # one row a node on the path, and the root's
+        paths.add(tuple(verified.path))
+    assert len(paths) > 2  # the seeds took several paths through the tree
+
+
 # ------------------------------------------------- verifiers on crafted target logits
 
 

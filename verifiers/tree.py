@@ -69,8 +69,25 @@ def sibling_round(
     return accept_probability, residual_distribution(target_probs, draft_probs)
 
 
-def multi_draft_walk(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
-    """Multi-draft speculative sampling over a tree. target_probs: (n + 1, vocab) float32."""
+class RowsOnDemand:
+    """The target's processed distributions, row by row as the walk reaches them: a
+    walk reads only the rows of the nodes it accepts (tau of them, not all n + 1), and
+    processing a row over the whole vocabulary costs more than the walk itself."""
+
+    def __init__(self, target_logits: torch.Tensor, sampling: SamplingConfig) -> None:
+        self.logits = target_logits  # (n + 1, vocab)
+        self.sampling = sampling
+        self.device = target_logits.device
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        return processed_probs(self.logits[row], self.sampling)  # (vocab,) float32
+
+
+def multi_draft_walk(
+    draft: Draft, target_probs: torch.Tensor | RowsOnDemand, generator: torch.Generator
+) -> Acceptance:
+    """Multi-draft speculative sampling over a tree. target_probs: (n + 1, vocab) float32,
+    or the same rows on demand."""
     # One uniform per node: each sibling's acceptance test uses its own.
     uniforms = torch.rand(len(draft), generator=generator, device=target_probs.device).tolist()
     children = draft.children
@@ -108,5 +125,4 @@ class TreeVerifier(Verifier):
     ) -> Acceptance:
         if sampling.greedy:
             return greedy_walk(draft, target_logits)
-        target_probs = processed_probs(target_logits, sampling)  # (n + 1, vocab) float32
-        return multi_draft_walk(draft, target_probs, generator)
+        return multi_draft_walk(draft, RowsOnDemand(target_logits, sampling), generator)
