@@ -59,7 +59,7 @@ def test_bench_cli_greedy_two_turns_with_repeats_and_peers(drafting_pays, tmp_pa
     assert machine["torch"] and machine["transformers"]
     assert (results["temperature"], results["max_new_tokens"], results["prompts"]) == (0.0, 8, 3)
     pipelines = {p["name"]: p for p in results["pipelines"]}
-    assert set(pipelines) == {"standard", "ngram+greedy", "hf_generate", "hf_prompt_lookup"}
+    assert set(pipelines) == {"standard", "ngram+greedy", "hf_generate", "hf_prompt_lookup", "standard (A/A)"}
     for entry in results["pipelines"]:
         assert PIPELINE_FIELDS <= set(entry), entry["name"]
         assert set(entry["categories"]) == {"qa", "rag"}
@@ -75,6 +75,9 @@ def test_bench_cli_greedy_two_turns_with_repeats_and_peers(drafting_pays, tmp_pa
     assert all(r["diverges_at"] is None for r in ngram["records"])
     assert ngram["mean_accepted_tokens"] > 1.0 and 0.0 < ngram["acceptance_rate"] <= 1.0
     assert {pipelines[name]["kind"] for name in ("hf_generate", "hf_prompt_lookup")} == {"peer"}
+    aa = pipelines["standard (A/A)"]  # standard decoding again, in step with the rest: the noise band
+    assert aa["kind"] == "control" and aa["identical_outputs"] == 1.0 and aa["speedup"] > 0
+    assert aa["mean_accepted_tokens"] == 1.0 and aa["ideal_speedup"] is None
 
     # Spread over the two repeats, and the physical limit from the measured T(n).
     assert ngram["speedup_std"] >= 0.0 and ngram["speedup_mean"] > 0.0
@@ -120,20 +123,23 @@ def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch, cap
     the command says so and exits with status 130, without a traceback."""
     make_contender = bench.pipeline_contender
 
-    def interrupting_contender(pipeline):
-        contender = make_contender(pipeline)
+    def interrupting_contender(pipeline, *names):
+        contender = make_contender(pipeline, *names)
         if contender.kind != "speculative":
             return contender
         calls = []
-        run = contender.run
+        run, start = contender.run, contender.start
 
-        def run_until_third_prompt(prompt_ids, max_new_tokens):
-            calls.append(prompt_ids)
-            if len(calls) == 1 + 3:  # warm-up, prompt 1, prompt 2, then the third prompt
-                raise KeyboardInterrupt
-            return run(prompt_ids, max_new_tokens)
+        def until_third_prompt(call):
+            def counted(prompt_ids, max_new_tokens):
+                calls.append(prompt_ids)
+                if len(calls) == 1 + 3:  # warm-up, prompt 1, prompt 2, then the third prompt
+                    raise KeyboardInterrupt
+                return call(prompt_ids, max_new_tokens)
 
-        contender.run = run_until_third_prompt
+            return counted
+
+        contender.run, contender.start = until_third_prompt(run), until_third_prompt(start)
         return contender
 
     monkeypatch.setattr(bench, "pipeline_contender", interrupting_contender)
@@ -210,7 +216,7 @@ def test_bench_pipelines_list_runs_several_pipelines_in_one_run(tmp_path, monkey
     overrides = [listed, f"bench.output={output}", f"hydra.run.dir={tmp_path / 'run'}", "bench.plots=false"]
     run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), *overrides))
     entries = {e["name"]: e for e in json.loads(output.read_text())["pipelines"]}
-    assert set(entries) == {"standard", "ngram+greedy", "ngram_k2"}
+    assert set(entries) == {"standard", "ngram+greedy", "ngram_k2", "standard (A/A)"}
     assert entries["ngram_k2"]["identical_outputs"] == 1.0
     assert 0 < entries["ngram_k2"]["mean_draft_size"] <= 2  # its own options, not the first entry's
     assert entries["ngram_k2"]["info"]["proposer_config"]["k"] == 2
@@ -225,7 +231,7 @@ def test_default_pipelines_skip_the_ones_without_a_trained_artifact(tmp_path, mo
     run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), f"hydra.run.dir={run_dir}", defaults,
                                           f"artifacts_dir={tmp_path / 'none'}"))  # fmt: skip
     results = json.loads((run_dir / "results.json").read_text())
-    assert [p["name"] for p in results["pipelines"]] == ["standard", "lookup"]
+    assert [p["name"] for p in results["pipelines"]] == ["standard", "lookup", "standard (A/A)"]
     assert "skipping heads: no Medusa heads" in capsys.readouterr().err
 
 

@@ -34,6 +34,8 @@ def test_multirun_sweep_and_report(tmp_path, monkeypatch, capsys):
     for row, results in zip(rows, job_results.values()):
         ngram = next(p for p in results["pipelines"] if p["kind"] == "speculative")
         assert float(row["speedup"]) == ngram["speedup"]
+        control = next(p for p in results["pipelines"] if p["kind"] == "control")  # the run's A/A
+        assert float(row["aa_speedup"]) == control["speedup"]
         assert float(row["identical_outputs"]) == 1.0
     assert (sweep / "speedup_vs_k.png").read_bytes()[:4] == b"\x89PNG"
 

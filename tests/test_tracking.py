@@ -80,7 +80,7 @@ def test_offline_run_holds_config_summary_table_and_plots(tmp_path, monkeypatch)
     (table_file,) = (offline_run / "files" / "media" / "table").glob("records_*.table.json")
     table = json.loads(table_file.read_text())
     assert table["columns"][:3] == ["pipeline", "kind", "prompt_id"] and "text" in table["columns"]
-    assert len(table["data"]) == 2 * 3  # two pipelines x three prompts
+    assert len(table["data"]) == 3 * 3  # three pipelines (standard, its A/A twin, ngram) x three prompts
     images = {
         p.name.split("_0_")[0] for p in (offline_run / "files" / "media" / "images" / "plots").glob("*.png")
     }

@@ -11,6 +11,9 @@
 
 With no proposer every round verifies an empty draft, i.e. emits one target
 token per pass: that is standard decoding, the baseline.
+
+:class:`Decoding` is that loop a round at a time (the benchmark steps several
+requests in turn); :func:`decode` runs one to the end.
 """
 
 from __future__ import annotations
@@ -137,49 +140,94 @@ def decode(
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationOutput:
     """Generate after ``prompt_ids``: standard decoding without a proposer, else speculative."""
-    if proposer is not None and verifier is None:
-        raise ValueError("a proposer needs a verifier")
-    if verifier is None:
-        verifier = standard_verifier(sampling)
-    verifier.check(sampling)
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    if target.max_positions and len(prompt_ids) + stop.max_new_tokens > target.max_positions:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({stop.max_new_tokens}) exceeds "
-            f"the model's context of {target.max_positions} tokens; shorten the prompt or lower "
-            "max_new_tokens."
+    decoding = Decoding(target, prompt_ids, stop, sampling, proposer, verifier, on_tokens)
+    while not decoding.done:
+        decoding.step()
+    return decoding.output()
+
+
+class Decoding:
+    """One request being decoded, a round at a time: :func:`decode` runs it to the end;
+    the benchmark steps several of them in turn (``bench.interleave=rounds``), each on a
+    session of its own, so that they see the machine's load alike.
+
+    Construction checks the request and runs the prefill (the target chooses the first
+    token); :meth:`step` runs one round; :meth:`output` finishes the request. The
+    stats' ``wall_time`` is the time spent in this request's own calls only, not in
+    whatever ran between its rounds."""
+
+    def __init__(
+        self,
+        target: ModelSession,
+        prompt_ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingConfig,
+        proposer: Proposer | None = None,
+        verifier: Verifier | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        if proposer is not None and verifier is None:
+            raise ValueError("a proposer needs a verifier")
+        if verifier is None:
+            verifier = standard_verifier(sampling)
+        verifier.check(sampling)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if target.max_positions and len(prompt_ids) + stop.max_new_tokens > target.max_positions:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({stop.max_new_tokens}) exceeds "
+                f"the model's context of {target.max_positions} tokens; shorten the prompt or lower "
+                "max_new_tokens."
+            )
+        self.target, self.stop, self.sampling = target, stop, sampling
+        self.proposer, self.verifier, self.on_tokens = proposer, verifier, on_tokens
+        self.stats = GenerationStats()
+        self.finished = False  # output() has told the proposer
+        self.generator = sampling.generator(target.device)
+        start = time.perf_counter()
+
+        target.reset()
+        logits = target.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
+        check_finite(logits, "prefill")
+        first = next_token(logits, sampling, self.generator)
+        self.stats.prefill_time = time.perf_counter() - start
+        self.tokens, self.done = stop.cut([], [first])  # the generated tokens (prompt excluded)
+        if on_tokens:
+            on_tokens(self.tokens)
+        self.state = DecodeState(
+            list(prompt_ids) + self.tokens, len(prompt_ids), sampling, self.generator, target.hidden
         )
-    stats = GenerationStats()
-    generator = sampling.generator(target.device)
-    start = time.perf_counter()
+        if proposer is not None:
+            if proposer.drafts_in_target:
+                self.state.session = target
+            proposer.begin(self.state)
+        # A live cost curve learns from the passes; not from those that reuse drafting work.
+        self.timed = proposer is None or not proposer.drafts_in_target
+        # Exact mode keeps a pass's rows exact up to a width; wider drafts are cut to fit.
+        self.widest = widest_exact_pass(target.model)
+        self.stats.wall_time += time.perf_counter() - start
 
-    target.reset()
-    logits = target.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
-    check_finite(logits, "prefill")
-    first = next_token(logits, sampling, generator)
-    stats.prefill_time = time.perf_counter() - start
-    output, done = stop.cut([], [first])
-    if on_tokens:
-        on_tokens(output)
-    state = DecodeState(list(prompt_ids) + output, len(prompt_ids), sampling, generator, target.hidden)
-    if proposer is not None:
-        if proposer.drafts_in_target:
-            state.session = target
-        proposer.begin(state)
+    @property
+    def progress(self) -> float:
+        """The share of ``max_new_tokens`` generated so far (1.0 once done)."""
+        return 1.0 if self.done else len(self.tokens) / self.stop.max_new_tokens
 
-    # A live cost curve learns from the passes; not from those that reuse drafting work.
-    timed = proposer is None or not proposer.drafts_in_target
-    # Exact mode keeps a pass's rows exact up to a width; wider drafts are cut to fit.
-    widest = widest_exact_pass(target.model)
-    while not done:
+    def step(self) -> None:
+        """One round: draft, one target pass over the pending token and the draft,
+        verify, keep the accepted path, tell the proposer."""
+        if self.done:
+            raise RuntimeError("this request is finished")
+        target, proposer, verifier, state, stats = (
+            self.target, self.proposer, self.verifier, self.state, self.stats
+        )  # fmt: skip
+        output = self.tokens
         tick = time.perf_counter()
         proposed = Draft.empty() if proposer is None else proposer.propose(state)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
-        budget = stop.max_new_tokens - len(output)
+        budget = self.stop.max_new_tokens - len(output)
         proposed_in_budget = proposed.truncated(budget - 1)
-        if widest is not None:
-            proposed_in_budget = proposed_in_budget.limited(widest - 1)
+        if self.widest is not None:
+            proposed_in_budget = proposed_in_budget.limited(self.widest - 1)
         draft = verifier.prepare(proposed_in_budget)
         tock = time.perf_counter()
 
@@ -191,14 +239,14 @@ def decode(
         else:  # the proposer may reuse work done while drafting (default: target.forward)
             target_logits = proposer.verify_forward(target, block, parents)
         check_finite(target_logits, "target's verification pass")
-        acceptance: Acceptance = verifier.verify(draft, target_logits, sampling, generator)
+        acceptance: Acceptance = verifier.verify(draft, target_logits, self.sampling, self.generator)
         state.committed_rows = [0] + [node + 1 for node in acceptance.path]
         target.keep(block_start, state.committed_rows)
         state.hidden = target.hidden
         state.hidden_row = state.committed_rows[-1]
         verified = time.perf_counter()
 
-        new, done = stop.cut(output, acceptance.tokens)
+        new, self.done = self.stop.cut(output, acceptance.tokens)
         output.extend(new)
         state.tokens.extend(new)
         stats.target_passes += 1
@@ -209,21 +257,28 @@ def decode(
         stats.verify_time += verified - tock
         stats.draft_time += tock - tick
         # timing starts when the first sizer reads T(n)
-        if timed and (timing := pass_times(target.model)) is not None:
+        if self.timed and (timing := pass_times(target.model)) is not None:
             timing.record(len(block), verified - tock)
-        if on_tokens:
-            on_tokens(new)
-        if proposer is not None and not done:
+        if self.on_tokens:
+            self.on_tokens(new)
+        if proposer is not None and not self.done:
             observing = time.perf_counter()
             proposer.observe(state, _round(proposed, draft, acceptance, tock - tick, verified - tock))
             stats.observe_time += time.perf_counter() - observing
             stats.draft_time += time.perf_counter() - observing
+        stats.wall_time += time.perf_counter() - tick
 
-    if proposer is not None:
-        proposer.finish(state)
-    stats.new_tokens = len(output)
-    stats.wall_time = time.perf_counter() - start
-    return GenerationOutput(output, stats)
+    def output(self) -> GenerationOutput:
+        """The generated tokens and the stats, once done (the proposer is told it ended)."""
+        if not self.done:
+            raise RuntimeError("this request is not finished: step() it until done")
+        if self.proposer is not None and not self.finished:
+            start = time.perf_counter()
+            self.proposer.finish(self.state)
+            self.stats.wall_time += time.perf_counter() - start
+        self.finished = True
+        self.stats.new_tokens = len(self.tokens)
+        return GenerationOutput(self.tokens, self.stats)
 
 
 def _round(

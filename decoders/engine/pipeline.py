@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decoders.engine.context import PipelineContext
-from decoders.engine.decoding import GenerationStats, StopConditions, decode, default_verifier
+from decoders.engine.decoding import Decoding, GenerationStats, StopConditions, default_verifier
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, proposer_registry, verifier_registry
 from decoders.engine.sampling import SamplingConfig
@@ -160,17 +160,38 @@ class Pipeline:
     ) -> GenerationResult:
         """Generate a continuation. ``on_tokens`` gets each round's new token ids,
         ``on_text`` the new text, as they are produced."""
+        callback = on_tokens
+        if on_text is not None:
+            callback = self._text_streamer(on_text, on_tokens)
+        decoding = self.start(prompt, max_new_tokens, seed=seed, on_tokens=callback)
+        while not decoding.done:
+            decoding.step()
+        return self.result(decoding)
+
+    def start(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        max_new_tokens: int | None = None,
+        *,
+        seed: int | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Decoding:
+        """A request decoded a round at a time: prefilled, then ``step()`` it until
+        ``done`` and pass it to :meth:`result`. Requests of different pipelines can be
+        stepped in turn (each pipeline has a KV cache of its own); one pipeline decodes
+        one request at a time."""
         prompt_ids = self.encode(prompt)
         sampling = self.sampling if seed is None else replace(self.sampling, seed=seed)
         stop = StopConditions(
             max_new_tokens or self.max_new_tokens, self.eos_token_ids(), self.stop_strings, self.tokenizer
         )
-        callback = on_tokens
-        if on_text is not None:
-            callback = self._text_streamer(on_text, on_tokens)
-        output = decode(self.session, prompt_ids, stop, sampling, self.proposer, self.verifier, callback)
+        return Decoding(self.session, prompt_ids, stop, sampling, self.proposer, self.verifier, on_tokens)
+
+    def result(self, decoding: Decoding) -> GenerationResult:
+        """The finished request of :meth:`start` as text, tokens and stats."""
+        output = decoding.output()
         text = self.tokenizer.decode(output.tokens, skip_special_tokens=True) if self.tokenizer else ""
-        return GenerationResult(text, output.tokens, len(prompt_ids), output.stats)
+        return GenerationResult(text, output.tokens, decoding.state.prompt_len, output.stats)
 
     def _text_streamer(
         self, on_text: Callable[[str], None], on_tokens: Callable[[list[int]], None] | None

@@ -2,9 +2,17 @@
 
 All contenders share one process and one loaded target. The target's pass cost
 curve T(n) is taken first (cached per model/device/dtype), then every contender
-warms up, then they run prompt by prompt, interleaved (the order rotates from
-prompt to prompt and repeat to repeat), so slow drift of the machine hits them
-alike; speedups are ratios measured side by side. Multi-turn prompts
+warms up, then they run prompt by prompt (the order rotates from prompt to prompt
+and repeat to repeat). On each prompt our pipelines, standard decoding included,
+are interleaved round by round (``bench.interleave=rounds``, the default): each
+has a KV cache of its own, and the one furthest behind (share of max_new_tokens
+generated) runs the next round, so they cross the same seconds of the machine's
+load together and slow drift (on a shared machine, a 64-token answer's pass times
+vary by about 10% from one answer to the next) hits them alike. Each is timed on
+its own calls only. transformers' peers, which cannot be stepped, run one prompt
+at a time between them (``bench.interleave=prompts``: everything does).
+``bench.aa=true`` adds standard decoding a second time, in step with the rest: its
+speedup over the first, ``standard (A/A)``, is what the run's noise alone gives. Multi-turn prompts
 (``workload.turns=2``) feed standard decoding's first answer back as the
 assistant turn, so every contender sees the same second-turn context.
 
@@ -28,7 +36,7 @@ from decoders.cli.config import (
     model_config,
     sampling_config,
 )
-from decoders.engine.pipeline import Pipeline
+from decoders.engine.pipeline import GenerationResult, Pipeline
 from decoders.evaluation.files import write_json
 from decoders.evaluation.metrics import Record, first_divergence, physical_limit, pipeline_entry
 from decoders.evaluation.peers import make_peers
@@ -41,6 +49,7 @@ from decoders.models.loading import load_model
 from decoders.models.machine import machine_info, machine_line
 
 EXACT_OFF = " (exact off)"
+AA = "standard (A/A)"  # bench.aa: standard decoding measured against itself
 
 
 @dataclass
@@ -57,6 +66,54 @@ class Contender:
     # prompts run), so it holds what the proposer measured: acceptance profiles, budgets
     describe: Callable[[], dict] | None = None
     baseline: str = "standard"  # the contender its speedup and identical_outputs are measured against
+    # the request started, to be decoded a round at a time (None: run() only)
+    start: Callable[[list[int], int], Stepping] | None = None
+
+
+class Stepping:
+    """One pipeline's request decoded a round at a time, alongside others'."""
+
+    def __init__(self, pipeline: Pipeline, prompt_ids: list[int], max_new_tokens: int) -> None:
+        self.pipeline = pipeline
+        self.decoding = pipeline.start(prompt_ids, max_new_tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.decoding.done
+
+    @property
+    def progress(self) -> float:
+        return self.decoding.progress
+
+    def step(self) -> None:
+        self.decoding.step()
+
+    def record(self) -> Record:
+        return generation_record(self.pipeline.result(self.decoding))
+
+
+def in_step(steppings: list[Callable[[], Stepping]]) -> list[Record]:
+    """Start every request (their prefills in this order), then run rounds: each time
+    of the request furthest behind (share of its max_new_tokens generated; ties go in
+    this order), until all are done. Their records, in this order."""
+    running = [start() for start in steppings]
+    while (behind := min((s for s in running if not s.done), key=lambda s: s.progress, default=None)) is not None:
+        behind.step()
+    return [stepping.record() for stepping in running]
+
+
+def run_prompt(contenders: list[Contender], prompt_ids: list[int], max_new_tokens: int, rounds: bool) -> dict:
+    """Every contender on one prompt, in this order: {name: Record}. With ``rounds`` those
+    that can be stepped run in step (:func:`in_step`), at the place of the first of them."""
+    together = [c for c in contenders if c.start is not None] if rounds else []
+    records: dict[str, Record] = {}
+    for contender in contenders:
+        if contender not in together:
+            records[contender.name] = contender.run(prompt_ids, max_new_tokens)
+        elif contender is together[0]:
+            starts = [lambda c=c: c.start(prompt_ids, max_new_tokens) for c in together]
+            records.update(zip((c.name for c in together), in_step(starts)))
+    return records
 
 
 def exact_off_twin(contender: Contender, target) -> Contender:
@@ -72,21 +129,34 @@ def exact_off_twin(contender: Contender, target) -> Contender:
         finally:
             configure_passes(target, narrow, exact=True)
 
-    return replace(contender, name=f"{contender.name}{EXACT_OFF}", run=run, baseline=f"standard{EXACT_OFF}")
+    # not stepped: exact mode is switched for the whole model around its calls
+    return replace(
+        contender, name=f"{contender.name}{EXACT_OFF}", run=run, baseline=f"standard{EXACT_OFF}", start=None
+    )
 
 
-def pipeline_contender(pipeline: Pipeline) -> Contender:
+def generation_record(result: GenerationResult) -> Record:
+    """A pipeline's result as a benchmark record (prompt, category, turn, repeat filled later)."""
+    s = result.stats
+    return Record(
+        "", "", 0, 0, s.new_tokens, s.wall_time, result.tokens,
+        s.target_passes, s.proposed, s.accepted, s.draft_time, s.verify_time, s.emitted_per_round,
+        observe_time=s.observe_time, draft_sizes=s.draft_sizes, prefill_time=s.prefill_time,
+    )  # fmt: skip
+
+
+def pipeline_contender(pipeline: Pipeline, name: str = "standard", kind: str = "standard") -> Contender:
+    """A pipeline as a contender; without a proposer it is standard decoding under
+    ``name`` and ``kind`` (``control`` for the A/A twin)."""
+
     def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
-        result = pipeline.generate(prompt_ids, max_new_tokens)
-        s = result.stats
-        return Record(
-            "", "", 0, 0, s.new_tokens, s.wall_time, result.tokens,
-            s.target_passes, s.proposed, s.accepted, s.draft_time, s.verify_time, s.emitted_per_round,
-            observe_time=s.observe_time, draft_sizes=s.draft_sizes, prefill_time=s.prefill_time,
-        )  # fmt: skip
+        return generation_record(pipeline.generate(prompt_ids, max_new_tokens))
+
+    def start(prompt_ids: list[int], max_new_tokens: int) -> Stepping:
+        return Stepping(pipeline, prompt_ids, max_new_tokens)
 
     if pipeline.proposer is None:
-        return Contender("standard", "standard", None, None, run)
+        return Contender(name, kind, None, None, run, start=start)
     return Contender(
         pipeline.name,
         "speculative",
@@ -95,6 +165,7 @@ def pipeline_contender(pipeline: Pipeline) -> Contender:
         run,
         pipeline.verifier.lossless,  # type: ignore[union-attr]
         lambda: {"proposer": pipeline.proposer.describe(), "proposer_config": vars(pipeline.proposer.config)},
+        start=start,
     )
 
 
@@ -297,8 +368,15 @@ def run_benchmark(cfg: DictConfig) -> dict:
         artifacts_dir=cfg.artifacts_dir,
         max_new_tokens=cfg.bench.max_new_tokens,
     )
+    interleave = cfg.bench.get("interleave", "rounds")
+    if interleave not in ("rounds", "prompts"):
+        raise ValueError(f"bench.interleave={interleave!r}: use rounds (the default) or prompts")
     pipelines = [base] + build_pipelines(cfg, base)
     contenders = [pipeline_contender(p) for p in pipelines]
+    if cfg.bench.get("aa", False):  # standard decoding again, its own KV cache: the noise band
+        twin = base.with_components(None, None)
+        pipelines.append(twin)
+        contenders.append(pipeline_contender(twin, AA, "control"))
     if cfg.bench.peers:
         proposers = {p.proposer.name: p.proposer for p in pipelines if p.proposer is not None}
         peers = make_peers(target, sorted(base.eos_token_ids()), sampling, proposers)
@@ -337,8 +415,10 @@ def run_benchmark(cfg: DictConfig) -> dict:
                 prompt_ids = turn_ids(base, prompt, turn, first_answers.get(prompt.id))
                 for repeat in range(cfg.bench.repeats):
                     shift = (number + repeat) % len(contenders)
-                    for contender in contenders[shift:] + contenders[:shift]:
-                        record = contender.run(prompt_ids, max_new)
+                    order = contenders[shift:] + contenders[:shift]
+                    measured = run_prompt(order, prompt_ids, max_new, interleave == "rounds")
+                    for contender in order:
+                        record = measured[contender.name]
                         text = (
                             tokenizer.decode(record.tokens, skip_special_tokens=True) if tokenizer else None
                         )

@@ -2,7 +2,8 @@
 
 Every results.json under a folder (searched recursively) contributes one row
 per pipeline it measured; standard decoding is left out (each run's own
-baseline, speedup 1 by definition). Besides the metrics, the table shows the
+baseline, speedup 1 by definition), and so is its A/A twin, whose speedup is
+shown on each of its run's rows instead (``a/a``: what the run's noise alone gives). Besides the metrics, the table shows the
 options that differ between rows (``proposer.k``, ``sampling.temperature``,
 ...), read from each pipeline's proposer options and each run's resolved
 config. The command line is :mod:`decoders.report`.
@@ -27,6 +28,7 @@ METRICS = (
     ("identical_outputs", "same"),
     ("ideal_speedup", "ideal"),
     ("efficiency", "eff"),
+    ("aa_speedup", "a/a"),
     ("prompts", "prompts"),
 )
 # Options that say how big a draft is, in the order the plot prefers them.
@@ -61,8 +63,9 @@ def report_rows(runs: list[tuple[Path, dict]], root: Path) -> tuple[list[dict], 
             for key, value in flatten(payload.get("config") or {}).items()
             if not key.startswith(IGNORED_PREFIXES) and not key.startswith("proposer")
         }
+        control = next((e for e in payload["pipelines"] if e["kind"] == "control"), None)
         for entry in payload["pipelines"]:
-            if entry["kind"] == "standard":
+            if entry["kind"] in ("standard", "control"):
                 continue
             proposer_options = (entry.get("info") or {}).get("proposer_config") or {}
             options = {**run_options, **{f"proposer.{k}": v for k, v in flatten(proposer_options).items()}}
@@ -72,7 +75,8 @@ def report_rows(runs: list[tuple[Path, dict]], root: Path) -> tuple[list[dict], 
                 "kind": entry["kind"],
             }
             row["options"] = options
-            row.update({key: entry.get(key) for key, _ in METRICS if key != "prompts"})
+            row.update({key: entry.get(key) for key, _ in METRICS if key not in ("prompts", "aa_speedup")})
+            row["aa_speedup"] = control["speedup"] if control else None
             row["prompts"] = payload["prompts"]
             rows.append(row)
     keys = dict.fromkeys(key for row in rows for key in row["options"])
