@@ -142,3 +142,96 @@ def test_generation_times_its_passes_for_the_live_curve(measuring, tmp_path):
     widths[1] += baseline.stats.target_passes
     recorded = {n: len(samples) for n, samples in cost.pass_times(model).samples.items()}
     assert recorded == dict(widths) and baseline.stats.target_passes and max(widths) > 1
+
+
+# ---------------------------------------------------------------- passes after long contexts
+
+
+def _context_curve() -> cost.CostCurve:
+    """1.0 s for any width after 256 tokens; after 1,024 each token past the first adds
+    0.1 s, after 2,048 0.3 s (``context`` holds what is added)."""
+    return cost.CostCurve(
+        {1: 1.0, 8: 1.0, 16: 1.0},
+        context={1024: {1: 0.0, 8: 0.7, 16: 1.5}, 2048: {1: 0.0, 8: 2.1, 16: 4.5}},
+    )
+
+
+def test_a_curve_read_after_a_long_context_adds_what_those_passes_cost():
+    curve = _context_curve()
+    assert curve(8) == 1.0  # read at the reference context
+    curve.at_context(1024)
+    assert curve(8) == pytest.approx(1.7) and curve(16) == pytest.approx(2.5) and curve(1) == 1.0
+    assert curve(4) == pytest.approx(1.3)  # between measured widths: linear in n
+    curve.at_context(1536)  # between measured contexts: linear in the context length
+    assert curve(8) == pytest.approx(1.0 + (0.7 + 2.1) / 2)
+    curve.at_context(3072)  # past the longest: along the last two
+    assert curve(8) == pytest.approx(1.0 + 2.1 + 1.4)
+    curve.at_context(100)  # shorter than the reference: the reference curve
+    assert curve(8) == 1.0
+    assert cost.CostCurve({1: 1.0, 8: 1.0}).extra(8, 4096) == 0.0  # nothing measured: nothing added
+
+
+def test_a_context_read_changes_the_version_only_when_its_step_changes():
+    curve = _context_curve()
+    curve.at_context(1024)
+    version = curve.version
+    curve.at_context(1024 + cost.CONTEXT_STEP - 1)
+    assert curve.version == version
+    curve.at_context(1024 + cost.CONTEXT_STEP)
+    assert curve.version == version + 1
+    flat = cost.CostCurve({1: 1.0})  # no context passes: reading at a context changes nothing
+    flat.at_context(4096)
+    assert flat.version == 0 and flat(1) == 1.0
+
+
+def test_the_sizing_sends_smaller_drafts_after_long_contexts():
+    """The same acceptance estimates: 12 nodes after a short prompt, fewer after 1,024
+    tokens, fewer still after 2,048 (PassSeconds re-reads the curve at each context)."""
+    from decoders.sizing.search import PassSeconds, best_size
+
+    curve = _context_curve()
+    seconds = PassSeconds(lambda: curve, 16)
+    values = [0.9 ** (i + 1) for i in range(15)]
+    sizes = []
+    for length in (256, 1024, 2048):
+        curve.at_context(length)
+        sizes.append(best_size(values, seconds())[0])
+    assert sizes[0] == 15 and sizes[0] > sizes[1] > sizes[2] >= 1, sizes
+
+
+def test_live_passes_are_kept_as_after_the_reference_context():
+    """A pass timed after 2,048 tokens is kept net of what the context adds, so the live
+    curve's level stays the reference context's, and read at 2,048 it gives the pass back."""
+    times = cost.PassTimes(_context_curve(), min_samples=1, refresh=1)
+    times.at_context(2048)
+    times.record(8, 3.1 * 1.5)  # the machine runs 1.5x slower than the cached curve
+    assert times.measured()[8] == pytest.approx(3.1 * 1.5 - 2.1)
+    assert times.curve(8) == pytest.approx(3.1 * 1.5)
+    times.at_context(256)
+    assert times.curve(8) == pytest.approx(3.1 * 1.5 - 2.1)
+
+
+def test_the_cache_keeps_the_passes_after_long_contexts(tiny_model, tmp_path, measuring):
+    model, _ = tiny_model
+    measuring(FakeClock())
+    measured = cached_cost_curve(model, "tiny", tmp_path)
+    assert set(measured.context) == set(cost.CONTEXTS)  # the tiny model's 4,096 positions allow both
+    assert all(set(by_n) == set(cost.CONTEXT_SIZES) for by_n in measured.context.values())
+    assert all(extra == 0.0 for by_n in measured.context.values() for extra in by_n.values())  # 1 s each
+    (path,) = tmp_path.glob("tiny-*.json")
+    assert cost.read_cost_curve(path).context == measured.context
+
+
+def test_generation_reads_the_curve_at_its_context(measuring):
+    """The decode loop sets the live curve's context before each round: after a
+    1,100-token prompt the sizing reads T(n) as after 1,088 tokens (steps of 64)."""
+    measuring(FakeClock())
+    model, tokenizer = load_model(ModelConfig(name="tiny-random", dtype="float64", device="cpu"))
+    pipeline = Pipeline(model, tokenizer, {"name": "ngram"}, model_config=ModelConfig(name="tiny-random"))
+    curve = pipeline.context.cost_curve()
+    assert curve.context  # the measured curve has passes after longer contexts
+    prompt = (random_prompts(1, seed=5)[0] * 100)[:1100]
+    pipeline.generate(prompt, max_new_tokens=2)
+    assert curve.context_length == 1088
+    pipeline.generate(prompt[:300], max_new_tokens=2)
+    assert curve.context_length == 256

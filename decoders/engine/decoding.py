@@ -222,6 +222,9 @@ class Decoding:
         )  # fmt: skip
         output = self.tokens
         tick = time.perf_counter()
+        timing = pass_times(target.model)
+        if timing is not None:  # the sizing reads T(n) after this many tokens
+            timing.at_context(len(target))
         proposed = Draft.empty() if proposer is None else proposer.propose(state)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
         budget = self.stop.max_new_tokens - len(output)
@@ -257,7 +260,8 @@ class Decoding:
         stats.verify_time += verified - tock
         stats.draft_time += tock - tick
         # timing starts when the first sizer reads T(n)
-        if self.timed and (timing := pass_times(target.model)) is not None:
+        if self.timed and (timing := timing or pass_times(target.model)) is not None:
+            timing.at_context(block_start)  # (a sizer may have started the timing in this round)
             timing.record(len(block), verified - tock)
         if self.on_tokens:
             self.on_tokens(new)

@@ -9,6 +9,13 @@ everywhere: tests use it so that no decision depends on the machine running
 them, and a user can replay another machine's curve. With tau and the draft cost D per round it gives a
 pipeline's physical limit: ideal speedup = tau * T(1) / (T(n) + D).
 
+Every row of a pass attends over the whole context, so a wide pass costs more after a
+long prompt than after a short one: on SmolLM2-135M in bfloat16 (exact mode), T(8)/T(1)
+is 1.06 after 256 tokens, 1.22 after 1,024 and 1.60 after 2,048. The measurement also
+times a few widths after ``CONTEXTS`` tokens, and a curve read at a context
+(:meth:`CostCurve.at_context`, set by the decode loop each round) adds what those
+passes cost beyond the reference context's, interpolated in the context length.
+
 The measured curve is the fastest of a few repeats on a quiet moment; the passes
 a decode makes run where the machine is, at other contexts, with the verdict and
 the KV commit around them. :class:`PassTimes` (``model.live_cost``, on unless a
@@ -25,7 +32,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +40,10 @@ import torch
 from decoders.models.kernels import exact_passes
 from decoders.models.session import ModelSession
 
+REFERENCE_CONTEXT = 256  # tokens before the passes the curve times
+CONTEXTS = (1024, 2048)  # longer contexts timed too (CostCurve.context)
+CONTEXT_SIZES = (1, 4, 8, 16, 32)  # the widths timed after them
+CONTEXT_STEP = 64  # a curve read at a context follows it in steps of this many tokens
 DEFAULT_SIZES = (
     1,
     2,
@@ -55,24 +66,40 @@ DEFAULT_SIZES = (
 @dataclass
 class CostCurve:
     """Pass seconds by number of new tokens (the fastest of interleaved repeats), linearly
-    interpolated."""
+    interpolated, after ``REFERENCE_CONTEXT`` tokens; with ``context`` (passes timed after
+    longer contexts), read at the context set by :meth:`at_context`."""
 
     seconds: dict[int, float]
     disturbance: float = 1.0  # worst median / fastest repeat of the sweep that measured it
     version: int = 0  # bumped when the seconds change in place (PassTimes), so readers refresh
+    # context length -> {n: seconds}: what a pass over n tokens after that many tokens (longer
+    # than the reference) cost beyond one after the reference context, timed in the same sweep
+    context: dict[int, dict[int, float]] = field(default_factory=dict)
+    context_length: int = REFERENCE_CONTEXT  # the context the curve is read at
 
     def __call__(self, n: float) -> float:
-        sizes = sorted(self.seconds)
-        n = max(n, sizes[0])
-        if n >= sizes[-1]:  # extrapolate along the last segment
-            a, b = sizes[-2], sizes[-1]
-        else:
-            b = next(s for s in sizes if s >= n)
-            a = sizes[max(sizes.index(b) - 1, 0)]
-            if a == b:
-                return self.seconds[a]
-        slope = (self.seconds[b] - self.seconds[a]) / (b - a)
-        return self.seconds[a] + slope * (n - a)
+        return _interpolate(self.seconds, n) + self.extra(n)
+
+    def extra(self, n: float, context_length: int | None = None) -> float:
+        """What a pass over n tokens costs after ``context_length`` tokens (default: the
+        context it is read at) beyond its cost after the reference context: the measured
+        differences, linear in the context length between the measured ones and along the
+        last two past them, never negative."""
+        length = self.context_length if context_length is None else context_length
+        if not self.context or length <= REFERENCE_CONTEXT:
+            return 0.0
+        points = [(REFERENCE_CONTEXT, 0.0)] + [(c, _interpolate(by_n, n)) for c, by_n in sorted(self.context.items())]
+        right = next((i for i, (c, _) in enumerate(points) if c >= length), len(points) - 1)
+        (c0, e0), (c1, e1) = points[right - 1], points[right]
+        return max(e0 + (e1 - e0) * (length - c0) / (c1 - c0), 0.0)
+
+    def at_context(self, length: int) -> None:
+        """Read the curve after ``length`` tokens from now on (in steps of
+        ``CONTEXT_STEP`` tokens; readers see a new ``version`` when the step changes)."""
+        stepped = max(length // CONTEXT_STEP * CONTEXT_STEP, REFERENCE_CONTEXT)
+        if self.context and stepped != self.context_length:
+            self.context_length = stepped
+            self.version += 1
 
     def relative(self, n: float) -> float:
         """T(n) / T(1)."""
@@ -87,6 +114,23 @@ class CostCurve:
         return seconds
 
 
+def _interpolate(seconds: dict[int, float], n: float) -> float:
+    """``seconds`` (by width) at width n, linearly, along the last segment past the widest."""
+    sizes = sorted(seconds)
+    n = max(n, sizes[0])
+    if len(sizes) == 1:
+        return seconds[sizes[0]]
+    if n >= sizes[-1]:  # extrapolate along the last segment
+        a, b = sizes[-2], sizes[-1]
+    else:
+        b = next(s for s in sizes if s >= n)
+        a = sizes[max(sizes.index(b) - 1, 0)]
+        if a == b:
+            return seconds[a]
+    slope = (seconds[b] - seconds[a]) / (b - a)
+    return seconds[a] + slope * (n - a)
+
+
 clock = time.perf_counter  # the sweep's timer (tests replace it to fake a machine's load)
 
 
@@ -94,39 +138,52 @@ clock = time.perf_counter  # the sweep's timer (tests replace it to fake a machi
 def measure_cost_curve(
     model: torch.nn.Module,
     sizes: tuple[int, ...] = DEFAULT_SIZES,
-    context_len: int = 256,
+    context_len: int = REFERENCE_CONTEXT,
     repeats: int = 5,
+    contexts: tuple[int, ...] = CONTEXTS,
 ) -> CostCurve:
-    """Time chain passes of each size after a ``context_len``-token prefix."""
-    session = ModelSession(model)
+    """Time chain passes of each size after a ``context_len``-token prefix, and of
+    ``CONTEXT_SIZES`` after each of ``contexts`` (those the model's positions allow)."""
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (context_len,), generator=generator).tolist()
-    session.forward(prefix)
+    longest = max(sizes)
+    limit = getattr(model.config, "max_position_embeddings", None) or context_len + longest
+    contexts = tuple(c for c in contexts if c > context_len and c + max(CONTEXT_SIZES) <= limit)
+    sweeps = [(context_len, sizes)] + [(c, CONTEXT_SIZES) for c in contexts]
+    sessions = []
+    for length, _ in sweeps:
+        session = ModelSession(model)
+        session.forward(torch.randint(0, vocab, (length,), generator=generator).tolist(), last_only=True)
+        sessions.append(session)
     inputs = {n: torch.randint(0, vocab, (n,), generator=generator).tolist() for n in sizes}
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    samples = [{n: [] for n in widths} for _, widths in sweeps]
     for repeat in range(repeats + 1):  # sizes interleaved, so drift in machine load hits all alike
-        for n in sizes:
-            start = clock()
-            session.forward(inputs[n])
-            elapsed = clock() - start
-            if repeat:  # the first sweep warms up
-                samples[n].append(elapsed)
-            session.truncate(context_len)
+        for (length, widths), session, times in zip(sweeps, sessions, samples):
+            for n in widths:
+                start = clock()
+                session.forward(inputs[n])
+                elapsed = clock() - start
+                if repeat:  # the first sweep warms up
+                    times[n].append(elapsed)
+                session.truncate(length)
     # Other work on the machine only ever adds time, so the fastest of the repeats is
     # the pass's own cost; the median's ratio to it says how disturbed the sweep was.
-    seconds = {n: min(times) for n, times in samples.items()}
-    curve = CostCurve(seconds)
-    curve.disturbance = max(sorted(times)[len(times) // 2] / min(times) for times in samples.values())
+    fastest = [{n: min(times) for n, times in by_n.items()} for by_n in samples]
+    extra = [{n: seconds - fastest[0][n] for n, seconds in by_n.items()} for by_n in fastest[1:]]
+    curve = CostCurve(fastest[0], context=dict(zip(contexts, extra)))
+    curve.disturbance = max(
+        sorted(times)[len(times) // 2] / min(times) for times in samples[0].values()
+    )
     return curve
 
 
+# 6: passes also timed after longer contexts (CostCurve.context).
 # Bumped when the pass routing (decoders/models/kernels.py) changes what a pass costs,
 # so that curves cached under older kernels are measured again. 2: single rows on the
 # narrow route, its products over row-major inputs. 3: exact mode's default route computes
 # passes wider than its measured widest invariant product in blocks. 4: float32 passes of
 # 5 rows and more on oneDNN's packed linear. 5: bfloat16 passes on oneDNN's packed linear.
-KERNELS_VERSION = 5
+KERNELS_VERSION = 6
 
 DISTURBED = 1.25  # a sweep whose median pass took this much longer than its fastest is not cached
 
@@ -135,10 +192,15 @@ COST_CURVE_ENV = "SPECDEC_COST_CURVE"
 
 
 def read_cost_curve(path: str | Path) -> CostCurve:
-    """A curve saved in the cache's format (``{"seconds": {"n": seconds}}``)."""
+    """A curve saved in the cache's format (``{"seconds": {"n": seconds}}``, and optionally
+    ``"context": {"length": {"n": extra seconds}}``, :attr:`CostCurve.context`)."""
     try:
         data = json.loads(Path(path).read_text())
-        return CostCurve({int(n): float(s) for n, s in data["seconds"].items()})
+        context = {
+            int(length): {int(n): float(s) for n, s in by_n.items()}
+            for length, by_n in (data.get("context") or {}).items()
+        }
+        return CostCurve({int(n): float(s) for n, s in data["seconds"].items()}, context=context)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(
             f"cannot read a cost curve from {path} ({error}); it must be JSON like "
@@ -179,7 +241,10 @@ def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> Cost
         return curve
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        json.dumps({"key": key, "device": device, "dtype": dtype, "seconds": curve.seconds}, indent=1)
+        json.dumps(
+            {"key": key, "device": device, "dtype": dtype, "seconds": curve.seconds, "context": curve.context},
+            indent=1,
+        )
     )
     return curve
 
@@ -204,17 +269,23 @@ class PassTimes:
 
     def __init__(self, base: CostCurve, window: int = 32, min_samples: int = 4, refresh: int = 8) -> None:
         self.base = base
-        self.curve = CostCurve(dict(base.seconds), base.disturbance)
+        self.curve = CostCurve(dict(base.seconds), base.disturbance, context=base.context)
         self.window, self.min_samples, self.refresh = window, min_samples, refresh
         self.samples: dict[int, deque[float]] = {}
         self.passes = 0
 
     def record(self, tokens: int, seconds: float) -> None:
-        """One pass over ``tokens`` new tokens took ``seconds``."""
+        """One pass over ``tokens`` new tokens took ``seconds``, at the context the curve
+        is read at; kept as what it would have taken after the reference context."""
+        seconds = max(seconds - self.curve.extra(tokens), 0.0)
         self.samples.setdefault(tokens, deque(maxlen=self.window)).append(seconds)
         self.passes += 1
         if self.passes % self.refresh == 0:
             self._update()
+
+    def at_context(self, length: int) -> None:
+        """The decode loop's next pass comes after ``length`` tokens."""
+        self.curve.at_context(length)
 
     def measured(self) -> dict[int, float]:
         """Median seconds of each width timed often enough to be trusted."""
@@ -231,7 +302,7 @@ class PassTimes:
         widths = sorted(measured)
         fitted = non_decreasing([measured[n] for n in widths], [len(self.samples[n]) for n in widths])
         measured = dict(zip(widths, fitted))
-        ratios = [measured[n] / self.base(n) for n in widths]
+        ratios = [measured[n] / _interpolate(self.base.seconds, n) for n in widths]
 
         def ratio(n: int) -> float:
             if n <= widths[0]:
@@ -245,7 +316,7 @@ class PassTimes:
         sizes = sorted(set(self.base.seconds) | set(measured))
         seconds, highest = {}, 0.0
         for n in sizes:
-            highest = max(highest, measured.get(n, self.base(n) * ratio(n)))
+            highest = max(highest, measured.get(n, _interpolate(self.base.seconds, n) * ratio(n)))
             seconds[n] = highest
         self.curve.seconds = seconds
         self.curve.version += 1
