@@ -235,3 +235,23 @@ def test_generation_reads_the_curve_at_its_context(measuring):
     assert curve.context_length == 1088
     pipeline.generate(prompt[:300], max_new_tokens=2)
     assert curve.context_length == 256
+
+
+def test_what_a_long_context_adds_is_never_less_for_a_wider_pass(tiny_model, monkeypatch, measuring):
+    """Timing noise can make a wider pass after a long context look as if the context
+    added less to it than to a narrower one; the measured extras are fitted non-decreasing."""
+    model, _ = tiny_model
+    measuring(FakeClock())
+    real = cost.ModelSession
+
+    class Session(real):  # after 1,024 tokens: 1 token +0.5 s, 4 tokens +0.0 s, 8 and wider +0.6 s and more
+        def forward(self, tokens, *args, **kwargs):
+            if len(self) == 1024:
+                cost.clock.now += {1: 0.5, 8: 0.6, 16: 0.7, 32: 0.8}.get(len(tokens), 0.0)
+            return super().forward(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(cost, "ModelSession", Session)
+    curve = cost.measure_cost_curve(model, sizes=(1, 4, 8), contexts=(1024,))
+    added = curve.context[1024]
+    assert added[1] == pytest.approx(0.25) and added[4] == pytest.approx(0.25)  # pooled
+    assert added[8] == pytest.approx(0.6) and added[8] <= added[16] <= added[32]

@@ -155,7 +155,8 @@ def measure_cost_curve(
         session = ModelSession(model)
         session.forward(torch.randint(0, vocab, (length,), generator=generator).tolist(), last_only=True)
         sessions.append(session)
-    inputs = {n: torch.randint(0, vocab, (n,), generator=generator).tolist() for n in sizes}
+    widest = sorted(set(sizes) | (set(CONTEXT_SIZES) if contexts else set()))
+    inputs = {n: torch.randint(0, vocab, (n,), generator=generator).tolist() for n in widest}
     samples = [{n: [] for n in widths} for _, widths in sweeps]
     for repeat in range(repeats + 1):  # sizes interleaved, so drift in machine load hits all alike
         for (length, widths), session, times in zip(sweeps, sessions, samples):
@@ -169,7 +170,12 @@ def measure_cost_curve(
     # Other work on the machine only ever adds time, so the fastest of the repeats is
     # the pass's own cost; the median's ratio to it says how disturbed the sweep was.
     fastest = [{n: min(times) for n, times in by_n.items()} for by_n in samples]
-    extra = [{n: seconds - fastest[0][n] for n, seconds in by_n.items()} for by_n in fastest[1:]]
+    # what the longer context adds, never less for a wider pass (the extra rows attend over it too)
+    extra = []
+    for by_n in fastest[1:]:
+        widths = sorted(by_n)
+        added = non_decreasing([by_n[n] - _interpolate(fastest[0], n) for n in widths], [1.0] * len(widths))
+        extra.append({n: max(e, 0.0) for n, e in zip(widths, added)})
     curve = CostCurve(fastest[0], context=dict(zip(contexts, extra)))
     curve.disturbance = max(
         sorted(times)[len(times) // 2] / min(times) for times in samples[0].values()
