@@ -64,7 +64,7 @@ def test_requests_stepped_in_turn_give_what_each_gives_alone(drafting_pays, trai
 
 
 class _Fake:
-    """A request of ``rounds`` rounds, each emitting ``per_round`` of ``total`` tokens."""
+    """A request of ``total`` tokens, ``per_round`` of them a round."""
 
     def __init__(self, name, per_round, total, log):
         self.name, self.per_round, self.total, self.log, self.made = name, per_round, total, log, 0
