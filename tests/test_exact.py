@@ -264,7 +264,11 @@ def test_bench_times_exact_off_twins(tmp_path, monkeypatch):
     assert results["cost_curve"]["sizes"] and results["cost_curve_exact_off"]["sizes"]
     pipelines = {p["name"]: p for p in results["pipelines"]}
     assert set(pipelines) == {
-        "standard", "ngram+greedy", "standard (A/A)", "standard (exact off)", "ngram+greedy (exact off)"
+        "standard",
+        "ngram+greedy",
+        "standard (A/A)",
+        "standard (exact off)",
+        "ngram+greedy (exact off)",
     }
     assert pipelines["standard (exact off)"]["baseline"] == "standard (exact off)"
     assert pipelines["standard (exact off)"]["speedup"] == 1.0

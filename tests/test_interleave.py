@@ -54,7 +54,7 @@ def test_requests_stepped_in_turn_give_what_each_gives_alone(drafting_pays, trai
     accepted = 0
     for prompt in random_prompts(4, seed=11):
         alone = [pipeline.generate(prompt, 20) for pipeline in alone_set]
-        together = in_step([lambda p=p: _Stepping(p, prompt, 20) for p in stepped_set])
+        together = in_step([lambda p=p, prompt=prompt: _Stepping(p, prompt, 20) for p in stepped_set])
         for one, other, pipeline in zip(alone, together, stepped_set):
             assert other.tokens == one.tokens, pipeline.name
             assert other.stats.emitted_per_round == one.stats.emitted_per_round, pipeline.name
@@ -83,7 +83,11 @@ class _Fake:
 def test_in_step_runs_the_request_furthest_behind_ties_in_order():
     log: list[str] = []
     records = in_step(
-        [lambda: _Fake("standard", 1, 6, log), lambda: _Fake("spec", 3, 6, log), lambda: _Fake("mid", 2, 6, log)]
+        [
+            lambda: _Fake("standard", 1, 6, log),
+            lambda: _Fake("spec", 3, 6, log),
+            lambda: _Fake("mid", 2, 6, log),
+        ]
     )
     assert records == ["standard", "spec", "mid"]
     assert log.count("standard") == 6 and log.count("spec") == 2 and log.count("mid") == 3

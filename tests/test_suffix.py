@@ -450,7 +450,10 @@ def test_bench_runs_the_agentic_workload_in_order_and_reports_stages(tmp_path, m
     run_bench(monkeypatch, overrides)
     payload = json.loads(output.read_text())
     entries = {e["name"]: e for e in payload["pipelines"]}
-    assert set(entries) == {"standard", "suffix+tree", "ngram+greedy", "standard (A/A)"} and payload["prompts"] == 8
+    assert (
+        set(entries) == {"standard", "suffix+tree", "ngram+greedy", "standard (A/A)"}
+        and payload["prompts"] == 8
+    )
     suffix = entries["suffix+tree"]
     assert set(suffix["stages"]) == {"first", "later"} and len(suffix["categories"]) == 8
     assert suffix["identical_outputs"] == 1.0

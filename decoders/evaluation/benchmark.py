@@ -97,7 +97,9 @@ def in_step(steppings: list[Callable[[], Stepping]]) -> list[Record]:
     of the request furthest behind (share of its max_new_tokens generated; ties go in
     this order), until all are done. Their records, in this order."""
     running = [start() for start in steppings]
-    while (behind := min((s for s in running if not s.done), key=lambda s: s.progress, default=None)) is not None:
+    while (
+        behind := min((s for s in running if not s.done), key=lambda s: s.progress, default=None)
+    ) is not None:
         behind.step()
     return [stepping.record() for stepping in running]
 

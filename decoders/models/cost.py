@@ -88,7 +88,9 @@ class CostCurve:
         length = self.context_length if context_length is None else context_length
         if not self.context or length <= REFERENCE_CONTEXT:
             return 0.0
-        points = [(REFERENCE_CONTEXT, 0.0)] + [(c, _interpolate(by_n, n)) for c, by_n in sorted(self.context.items())]
+        points = [(REFERENCE_CONTEXT, 0.0)] + [
+            (c, _interpolate(by_n, n)) for c, by_n in sorted(self.context.items())
+        ]
         right = next((i for i, (c, _) in enumerate(points) if c >= length), len(points) - 1)
         (c0, e0), (c1, e1) = points[right - 1], points[right]
         return max(e0 + (e1 - e0) * (length - c0) / (c1 - c0), 0.0)
@@ -177,9 +179,7 @@ def measure_cost_curve(
         added = non_decreasing([by_n[n] - _interpolate(fastest[0], n) for n in widths], [1.0] * len(widths))
         extra.append({n: max(e, 0.0) for n, e in zip(widths, added)})
     curve = CostCurve(fastest[0], context=dict(zip(contexts, extra)))
-    curve.disturbance = max(
-        sorted(times)[len(times) // 2] / min(times) for times in samples[0].values()
-    )
+    curve.disturbance = max(sorted(times)[len(times) // 2] / min(times) for times in samples[0].values())
     return curve
 
 
@@ -248,7 +248,13 @@ def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> Cost
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
-            {"key": key, "device": device, "dtype": dtype, "seconds": curve.seconds, "context": curve.context},
+            {
+                "key": key,
+                "device": device,
+                "dtype": dtype,
+                "seconds": curve.seconds,
+                "context": curve.context,
+            },
             indent=1,
         )
     )
