@@ -49,6 +49,7 @@ def main(cfg: DictConfig) -> None:
         max_new_tokens=cfg.max_new_tokens,
         stop_strings=list(cfg.stop),
         chat_template=cfg.chat_template,
+        round_gate=bool(cfg.get("round_gate", False)),
     )
     result = pipeline.generate(cfg.prompt, on_text=lambda text: print(text, end="", flush=True))
     print(f"\n\n[{pipeline.name}]", file=sys.stderr)

@@ -164,6 +164,10 @@ class MergeProposer(Proposer):
         joined = Draft(tokens, parents, _rows(tokens, rows))
         return self._joint_cut(joined, values, anyway) if self.config.joint_budget else joined
 
+    def skip(self, state) -> None:
+        for member in self.members:
+            member.skip(state)
+
     def _joint_cut(self, joined: Draft, values: list[float], anyway: set[int]) -> Draft:
         """The nodes of ``joined`` that pay for the joined pass: those kept ``anyway`` and
         their ancestors, then the estimated nodes best first, as many as :func:`best_size`

@@ -10,7 +10,10 @@
                                           the draft's numbering, draft and verify seconds
 
 With no proposer every round verifies an empty draft, i.e. emits one target
-token per pass: that is standard decoding, the baseline.
+token per pass: that is standard decoding, the baseline. With a round gate
+(:mod:`decoders.sizing.round_gate`) a round may skip drafting where earlier rounds
+say drafting does not pay: it is then a standard decoding step, and the proposer
+is told (``proposer.skip(state)``) instead of asked.
 
 :class:`Decoding` is that loop a round at a time (the benchmark steps several
 requests in turn); :func:`decode` runs one to the end.
@@ -31,6 +34,7 @@ from decoders.engine.verifier import Verifier
 from decoders.models.cost import pass_times
 from decoders.models.kernels import widest_exact_pass
 from decoders.models.session import ModelSession
+from decoders.sizing.round_gate import RoundGate
 
 
 @dataclass
@@ -46,6 +50,7 @@ class GenerationStats:
     observe_time: float = 0.0  # of draft_time, the part spent in observe
     verify_time: float = 0.0
     wall_time: float = 0.0
+    gated_rounds: int = 0  # rounds the round gate kept plain (no drafting)
     draft_sizes: list[int] = field(default_factory=list)  # per round
     emitted_per_round: list[int] = field(default_factory=list)
 
@@ -70,6 +75,7 @@ class GenerationStats:
             "accepted": self.accepted,
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
+            "gated_rounds": self.gated_rounds,
             "tokens_per_s": self.tokens_per_s,
             "prefill_time": self.prefill_time,
             "draft_time": self.draft_time,
@@ -138,9 +144,11 @@ def decode(
     proposer: Proposer | None = None,
     verifier: Verifier | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    gate: RoundGate | None = None,
 ) -> GenerationOutput:
-    """Generate after ``prompt_ids``: standard decoding without a proposer, else speculative."""
-    decoding = Decoding(target, prompt_ids, stop, sampling, proposer, verifier, on_tokens)
+    """Generate after ``prompt_ids``: standard decoding without a proposer, else speculative
+    (every round drafted, or as ``gate`` decides)."""
+    decoding = Decoding(target, prompt_ids, stop, sampling, proposer, verifier, on_tokens, gate)
     while not decoding.done:
         decoding.step()
     return decoding.output()
@@ -165,6 +173,7 @@ class Decoding:
         proposer: Proposer | None = None,
         verifier: Verifier | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        gate: RoundGate | None = None,
     ) -> None:
         if proposer is not None and verifier is None:
             raise ValueError("a proposer needs a verifier")
@@ -181,6 +190,12 @@ class Decoding:
             )
         self.target, self.stop, self.sampling = target, stop, sampling
         self.proposer, self.verifier, self.on_tokens = proposer, verifier, on_tokens
+        if gate is not None and proposer is not None and proposer.drafts_in_target:
+            raise ValueError(
+                f"proposer {proposer.name!r} drafts inside the target and sizes its drafts itself; "
+                "it cannot be gated (build its pipeline with round_gate=False)"
+            )
+        self.gate = gate if proposer is not None else None
         self.stats = GenerationStats()
         self.finished = False  # output() has told the proposer
         self.generator = sampling.generator(target.device)
@@ -201,6 +216,8 @@ class Decoding:
             if proposer.drafts_in_target:
                 self.state.session = target
             proposer.begin(self.state)
+            if self.gate is not None:
+                self.gate.begin()
         # A live cost curve learns from the passes; not from those that reuse drafting work.
         self.timed = proposer is None or not proposer.drafts_in_target
         # Exact mode keeps a pass's rows exact up to a width; wider drafts are cut to fit.
@@ -225,7 +242,14 @@ class Decoding:
         timing = pass_times(target.model)
         if timing is not None:  # the sizing reads T(n) after this many tokens
             timing.at_context(len(target))
-        proposed = Draft.empty() if proposer is None else proposer.propose(state)
+        drafting = proposer is not None and (self.gate is None or self.gate.drafts())
+        if drafting:
+            proposed = proposer.propose(state)  # type: ignore[union-attr]
+        else:
+            if proposer is not None:  # a round the gate keeps plain
+                proposer.skip(state)
+                stats.gated_rounds += 1
+            proposed = Draft.empty()
         # Tokens past max_new_tokens would be thrown away: don't draft them.
         budget = self.stop.max_new_tokens - len(output)
         proposed_in_budget = proposed.truncated(budget - 1)
@@ -237,7 +261,7 @@ class Decoding:
         block_start = len(target)
         parents = None if draft.is_chain else [-1] + [p + 1 for p in draft.parents]
         block = [state.tokens[-1]] + draft.tokens
-        if proposer is None:
+        if not drafting:
             target_logits = target.forward(block, parents)  # (n + 1, vocab)
         else:  # the proposer may reuse work done while drafting (default: target.forward)
             target_logits = proposer.verify_forward(target, block, parents)
@@ -265,11 +289,17 @@ class Decoding:
             timing.record(len(block), verified - tock)
         if self.on_tokens:
             self.on_tokens(new)
-        if proposer is not None and not self.done:
+        observe_seconds = 0.0
+        if drafting and not self.done:
             observing = time.perf_counter()
-            proposer.observe(state, _round(proposed, draft, acceptance, tock - tick, verified - tock))
-            stats.observe_time += time.perf_counter() - observing
-            stats.draft_time += time.perf_counter() - observing
+            proposer.observe(state, _round(proposed, draft, acceptance, tock - tick, verified - tock))  # type: ignore[union-attr]
+            observe_seconds = time.perf_counter() - observing
+            stats.observe_time += observe_seconds
+            stats.draft_time += observe_seconds
+        if drafting and self.gate is not None:
+            self.gate.record(
+                tock - tick + observe_seconds, verified - tock, len(new), acceptance.num_accepted
+            )
         stats.wall_time += time.perf_counter() - tick
 
     def output(self) -> GenerationOutput:

@@ -27,6 +27,7 @@ from decoders.engine.verifier import Verifier
 from decoders.models.cost import CostCurve
 from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
+from decoders.sizing.round_gate import RoundGate
 
 ComponentSpec = str | dict | Any  # a registered name, a config mapping (with `name`), or an instance
 
@@ -54,6 +55,7 @@ class Pipeline:
         stop_strings: Sequence[str] = (),
         chat_template: bool = True,
         cost_curve: CostCurve | None = None,
+        round_gate: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -71,6 +73,13 @@ class Pipeline:
         self.stop_strings = tuple(stop_strings)
         self.chat_template = chat_template
         self.session = ModelSession(model)
+        # round_gate: whether a round drafts at all is decided from earlier rounds
+        # (decoders/sizing/round_gate.py; off by default: measured, it has not paid yet). A
+        # proposer that drafts inside the target (early exit) sizes its drafts down to none
+        # itself, drafting cost included, and is never gated.
+        self.round_gate = round_gate
+        gated = self.round_gate and self.proposer is not None and not self.proposer.drafts_in_target
+        self.gate: RoundGate | None = RoundGate(self.context.cost_curve) if gated else None
         self.label: str | None = None  # a name for results tables (default proposer+verifier)
 
     # ------------------------------------------------------------------ building
@@ -94,8 +103,10 @@ class Pipeline:
         proposer: ComponentSpec | None,
         verifier: ComponentSpec | None,
         sampling: SamplingConfig | None = None,
+        round_gate: bool | None = None,
     ) -> Pipeline:
-        """Another pipeline over the same loaded target (no reload)."""
+        """Another pipeline over the same loaded target (no reload); ``round_gate``
+        None keeps this one's."""
         return Pipeline(
             self.model,
             self.tokenizer,
@@ -108,6 +119,7 @@ class Pipeline:
             stop_strings=self.stop_strings,
             chat_template=self.chat_template,
             cost_curve=self.context.fixed_cost_curve,
+            round_gate=self.round_gate if round_gate is None else round_gate,
         )
 
     def _component(self, spec: ComponentSpec | None, registry, base: type) -> Any:
@@ -185,7 +197,9 @@ class Pipeline:
         stop = StopConditions(
             max_new_tokens or self.max_new_tokens, self.eos_token_ids(), self.stop_strings, self.tokenizer
         )
-        return Decoding(self.session, prompt_ids, stop, sampling, self.proposer, self.verifier, on_tokens)
+        return Decoding(
+            self.session, prompt_ids, stop, sampling, self.proposer, self.verifier, on_tokens, self.gate
+        )
 
     def result(self, decoding: Decoding) -> GenerationResult:
         """The finished request of :meth:`start` as text, tokens and stats."""

@@ -6,6 +6,8 @@ config), then serves one request at a time:
 
     begin(state)      a new request starts (prompt known, nothing generated)
     propose(state)    return a Draft: tokens as a tree, optionally with draft_probs
+    skip(state)       instead of propose, in a round the round gate keeps plain
+                      (decoders/sizing/round_gate.py): no draft, not observed
     observe(state, round)
                       the round's outcome (:class:`~decoders.engine.draft.Round`): the
                       proposer's own draft, its accepted path in that draft's
@@ -77,6 +79,13 @@ class Proposer:
 
     def propose(self, state: DecodeState) -> Draft:
         raise NotImplementedError
+
+    def skip(self, state: DecodeState) -> None:
+        """Called instead of :meth:`propose` in a round that will not be drafted (the round
+        gate found drafting does not pay); no :meth:`observe` follows. A proposer that keeps
+        state in step with the target's passes (the hidden states of the positions committed,
+        ``state.committed_hidden``) takes in the last pass here; one that reads only
+        ``state.tokens`` catches up at its next propose and needs nothing."""
 
     def observe(self, state: DecodeState, round: Round) -> None:
         """Called after each round the request goes on from, with its outcome. A proposer

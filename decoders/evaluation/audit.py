@@ -312,7 +312,8 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
     target, tokenizer = load_model(model_cfg)
     greedy_sampling = replace(sampling, temperature=0.0)
     standard = Pipeline(target, tokenizer, sampling=greedy_sampling, model_config=model_cfg,
-                        artifacts_dir=cfg.artifacts_dir, max_new_tokens=audit.max_new_tokens)  # fmt: skip
+                        artifacts_dir=cfg.artifacts_dir, max_new_tokens=audit.max_new_tokens,
+                        round_gate=bool(cfg.get("round_gate", False)))  # fmt: skip
     count = max(audit.prompts, audit.sampling_prompts)
     if tokenizer is None:
         prompts = synthetic_prompts(target.config.vocab_size, count)

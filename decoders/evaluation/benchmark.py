@@ -144,6 +144,7 @@ def generation_record(result: GenerationResult) -> Record:
         "", "", 0, 0, s.new_tokens, s.wall_time, result.tokens,
         s.target_passes, s.proposed, s.accepted, s.draft_time, s.verify_time, s.emitted_per_round,
         observe_time=s.observe_time, draft_sizes=s.draft_sizes, prefill_time=s.prefill_time,
+        gated_rounds=s.gated_rounds,
     )  # fmt: skip
 
 
@@ -166,7 +167,11 @@ def pipeline_contender(pipeline: Pipeline, name: str = "standard", kind: str = "
         pipeline.verifier.name,  # type: ignore[union-attr]
         run,
         pipeline.verifier.lossless,  # type: ignore[union-attr]
-        lambda: {"proposer": pipeline.proposer.describe(), "proposer_config": vars(pipeline.proposer.config)},
+        lambda: {
+            "proposer": pipeline.proposer.describe(),
+            "proposer_config": vars(pipeline.proposer.config),
+            "round_gate": pipeline.gate.describe() if pipeline.gate is not None else None,
+        },
         start=start,
     )
 
@@ -216,7 +221,8 @@ def entry_label(entry: Any) -> str:
 def listed_pipeline(base: Pipeline, entry: Any, verifier_cfg: dict | None) -> Pipeline:
     """One ``bench.pipelines`` entry: ``"proposer+verifier"``, or a mapping with
     ``proposer`` (a name or ``{name: ..., option: value}``), ``verifier`` (same; default
-    ``verifier=`` or the sampling's default) and an optional ``label``."""
+    ``verifier=`` or the sampling's default), an optional ``label`` and an optional
+    ``round_gate`` (true / false: this pipeline's, whatever ``round_gate=`` says)."""
     if isinstance(entry, str):
         proposer, _, verifier = entry.partition("+")
         entry = {"proposer": proposer, "verifier": verifier or None}
@@ -225,7 +231,9 @@ def listed_pipeline(base: Pipeline, entry: Any, verifier_cfg: dict | None) -> Pi
             f"bench.pipelines entry {entry!r}: use 'proposer+verifier' or "
             "{proposer: NAME_OR_{name: NAME, OPTION: VALUE}, verifier: NAME, label: TEXT}"
         )
-    pipeline = base.with_components(entry["proposer"], entry.get("verifier") or verifier_cfg)
+    pipeline = base.with_components(
+        entry["proposer"], entry.get("verifier") or verifier_cfg, round_gate=entry.get("round_gate")
+    )
     pipeline.label = entry.get("label")
     return pipeline
 
@@ -369,6 +377,7 @@ def run_benchmark(cfg: DictConfig) -> dict:
         model_config=model_cfg,
         artifacts_dir=cfg.artifacts_dir,
         max_new_tokens=cfg.bench.max_new_tokens,
+        round_gate=bool(cfg.get("round_gate", False)),
     )
     interleave = cfg.bench.get("interleave", "rounds")
     if interleave not in ("rounds", "prompts"):
@@ -406,6 +415,8 @@ def run_benchmark(cfg: DictConfig) -> dict:
     for pipeline in pipelines:  # the warm-up prompt must not sit in a proposer's memory
         if pipeline.proposer is not None:
             pipeline.proposer.forget()
+        if pipeline.gate is not None:  # nor its cold first passes in a round gate's averages
+            pipeline.gate.forget()
 
     records: dict[str, list[Record]] = {c.name: [] for c in contenders}
     first_answers: dict[str, str] = {}

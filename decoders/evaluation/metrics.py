@@ -52,6 +52,7 @@ class Record:
     observe_time: float | None = None  # of draft_time, the proposer's observe calls
     draft_sizes: list[int] = field(default_factory=list)  # per round: draft tokens verified
     prefill_time: float | None = None
+    gated_rounds: int | None = None  # rounds the round gate kept plain (no drafting)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -99,6 +99,11 @@ class EagleProposer(Proposer):
             return self._draft_tree(root_logits, root_state)
         return self._draft_chain(root_logits, root_state, state)
 
+    @torch.inference_mode()
+    def skip(self, state) -> None:
+        """Feed the committed positions' features, as every round must."""
+        self._sync(state)
+
     def _sync(self, state) -> tuple[torch.Tensor, torch.Tensor]:
         """Drop last round's drafted entries, feed the positions the target committed
         since (their features and the tokens after them); -> the root logits (n,) (or,

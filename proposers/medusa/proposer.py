@@ -316,13 +316,21 @@ class MedusaProposer(Proposer):
             )
         self.memory.extend(hidden, state.tokens[start:committed], state.tokens[start + 1 : committed + 1])
 
-    @torch.inference_mode()
-    def propose(self, state) -> Draft:
-        sampling = state.sampling
+    def _take_in(self, state) -> None:
+        """Copy heads: the last pass's committed positions go to the memory."""
         if self.heads.copy is not None:
             if self.memory is None:  # the first request, begin() not called
                 self.memory = self.heads.context_memory()
             self._remember(state)
+
+    @torch.inference_mode()
+    def skip(self, state) -> None:
+        self._take_in(state)
+
+    @torch.inference_mode()
+    def propose(self, state) -> Draft:
+        sampling = state.sampling
+        self._take_in(state)
         outputs = _HeadOutputs(self.heads, state, self.num_heads, self.memory)
         root = outputs.root()  # (n,) head 0's logits over the draft vocabulary
         if self.dynamic is not None and not (self.tree is not None and not sampling.greedy):
