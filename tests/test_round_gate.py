@@ -26,7 +26,9 @@ CURVE = CostCurve({1: T1, 2: T1, 4: 1.2 * T1, 8: 1.5 * T1, 16: 2 * T1, 32: 4 * T
 
 
 def gate(**options) -> RoundGate:
-    """A gate in mid-request (its request's first drafted round, which is not counted, passed)."""
+    """A gate in mid-request (its request's first drafted round, which is not counted, passed)
+    that may close after one counted round unless told otherwise."""
+    options.setdefault("min_rounds", 1)
     g = RoundGate(lambda: CURVE, **options)
     g._first = False
     return g
@@ -87,7 +89,9 @@ def test_a_request_restarts_the_probes_wait_and_keeps_what_was_measured():
     for _ in range(20):  # probes that never reopen it: the wait grows to 8
         g.drafts()
     g.begin()
-    assert g.averages[AFTER_MISS].rounds == 4 and not g.averages[AFTER_MISS].pays(g.margin)  # kept
+    assert g.averages[AFTER_MISS].rounds == 4 and not g.averages[AFTER_MISS].pays(
+        g.margin, g.min_rounds
+    )  # kept
     assert [g.drafts() for _ in range(2)] == [False, True]  # wait back to 2
 
 
@@ -97,12 +101,22 @@ def test_the_gate_recovers_once_drafting_pays_again():
         g.record(verify_seconds=T1, draft_seconds=T1, emitted=1, accepted=0)
     assert not g.drafts()
     rounds = 0
-    while not g.averages[AFTER_MISS].pays(g.margin):  # probes that now accept 3 tokens
+    while not g.averages[AFTER_MISS].pays(g.margin, g.min_rounds):  # probes that now accept 3 tokens
         if g.drafts():
             g.record(verify_seconds=1.2 * T1, draft_seconds=T1, emitted=4, accepted=3)
             g._situation = AFTER_MISS
         rounds += 1
     assert rounds < 64  # probes after 2, 4, 8, 8 ... plain rounds while it stays closed
+
+
+def test_a_situation_closes_only_after_min_rounds_counted_rounds():
+    """A few rounds' average is noise: the gate keeps drafting until it has ``min_rounds``."""
+    g = gate(min_rounds=8)
+    for _ in range(7):
+        g.record(verify_seconds=T1, draft_seconds=T1, emitted=1, accepted=0)
+        assert g.drafts()
+    g.record(verify_seconds=T1, draft_seconds=T1, emitted=1, accepted=0)
+    assert not g.drafts()
 
 
 def test_forget_drops_what_was_measured():

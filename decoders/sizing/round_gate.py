@@ -18,7 +18,10 @@ over the situation's recent drafted rounds: a running mean over the first 32, th
 an exponential average as long, so that one noisy round does not move it (closing
 wrongly costs the drafts of every round until the next probe; staying open
 wrongly costs D). The next request starts from where the last left off. A
-situation closes only below ``margin`` (2%) under its cost, for the same reason.
+situation closes only below ``margin`` (2%) under its cost and after ``min_rounds``
+(8) counted rounds, for the same reason: in one bench run a gate that closed on the
+first two or three rounds' average kept the copy heads' tree from drafting 24 of a
+translation prompt's rounds.
 The situation is whether the last round accepted a draft token: acceptance comes
 in runs (copying, formulaic text), so a drafter may pay just after an accepted
 round and not after a miss.
@@ -72,8 +75,8 @@ class _Average:
         self.cost += weight * (cost - self.cost)
         self.rounds += 1
 
-    def pays(self, margin: float) -> bool:
-        return self.rounds == 0 or self.tokens >= self.cost * (1 - margin)
+    def pays(self, margin: float, min_rounds: int) -> bool:
+        return self.rounds < min_rounds or self.tokens >= self.cost * (1 - margin)
 
 
 class _GateProbe(Probe):
@@ -91,8 +94,9 @@ class RoundGate:
         explore_every: int = 8,
         weight: float = 1 / 32,
         margin: float = 0.02,
+        min_rounds: int = 8,
     ) -> None:
-        self.weight, self.margin = weight, margin
+        self.weight, self.margin, self.min_rounds = weight, margin, min_rounds
         self.explore_every = explore_every
         self._pass_seconds = PassSeconds(target_cost, 1)
         self.averages = {AFTER_ACCEPT: _Average(), AFTER_MISS: _Average()}
@@ -117,7 +121,9 @@ class RoundGate:
     def drafts(self) -> bool:
         """Whether this round drafts: its situation's drafted rounds paid, or it is a probe."""
         situation = self._situation
-        drafting = bool(self._probe(situation, int(self.averages[situation].pays(self.margin))))
+        drafting = bool(
+            self._probe(situation, int(self.averages[situation].pays(self.margin, self.min_rounds)))
+        )
         if drafting:
             self.drafted += 1
         else:
