@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from decoders.engine.draft import Acceptance, Draft, Round
 from decoders.engine.proposer import Proposer
@@ -34,7 +35,21 @@ from decoders.engine.verifier import Verifier
 from decoders.models.cost import pass_times
 from decoders.models.kernels import widest_exact_pass
 from decoders.models.session import ModelSession
-from decoders.sizing.round_gate import RoundGate
+
+
+class RoundGate(Protocol):
+    """What the loop asks of a round gate (the one built in is
+    :class:`decoders.sizing.round_gate.RoundGate`, a layer above the engine)."""
+
+    def begin(self) -> None: ...  # a request starts
+
+    def drafts(self) -> bool: ...  # whether this round drafts
+
+    def record(self, draft_seconds: float, verify_seconds: float, emitted: int, accepted: int) -> None: ...
+
+    def forget(self) -> None: ...  # drop what was measured (the benchmark's warm-up)
+
+    def describe(self) -> dict: ...  # for results files
 
 
 @dataclass

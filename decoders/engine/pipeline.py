@@ -19,15 +19,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decoders.engine.context import PipelineContext
-from decoders.engine.decoding import Decoding, GenerationStats, StopConditions, default_verifier
+from decoders.engine.decoding import Decoding, GenerationStats, RoundGate, StopConditions, default_verifier
 from decoders.engine.proposer import Proposer
-from decoders.engine.registry import build, proposer_registry, verifier_registry
+from decoders.engine.registry import build, proposer_registry, round_gate_class, verifier_registry
 from decoders.engine.sampling import SamplingConfig
 from decoders.engine.verifier import Verifier
 from decoders.models.cost import CostCurve
 from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
-from decoders.sizing.round_gate import RoundGate
 
 ComponentSpec = str | dict | Any  # a registered name, a config mapping (with `name`), or an instance
 
@@ -79,7 +78,7 @@ class Pipeline:
         # itself, drafting cost included, and is never gated.
         self.round_gate = round_gate
         gated = self.round_gate and self.proposer is not None and not self.proposer.drafts_in_target
-        self.gate: RoundGate | None = RoundGate(self.context.cost_curve) if gated else None
+        self.gate: RoundGate | None = round_gate_class()(self.context.cost_curve) if gated else None
         self.label: str | None = None  # a name for results tables (default proposer+verifier)
 
     # ------------------------------------------------------------------ building

@@ -230,3 +230,12 @@ def register_proposer(name: str) -> Callable[[type[T]], type[T]]:
 def register_verifier(name: str) -> Callable[[type[T]], type[T]]:
     """Register a Verifier subclass as ``verifier=<name>``."""
     return verifier_registry.register(name)
+
+
+ROUND_GATE_MODULE = "decoders.sizing.round_gate"
+
+
+def round_gate_class() -> type:
+    """The round gate (``decoders/sizing/round_gate.py``), reached by module name like the
+    built-in proposers: the sizing layer sits above the engine that uses it."""
+    return importlib.import_module(ROUND_GATE_MODULE).RoundGate
