@@ -103,23 +103,19 @@ class RoundGate:
         self.weight, self.margin, self.min_rounds = weight, margin, min_rounds
         self.explore_every = explore_every
         self._pass_seconds = PassSeconds(target_cost, 1)
-        self.averages = {AFTER_ACCEPT: _Average(), AFTER_MISS: _Average()}
-        self._probe = _GateProbe(explore_every)
-        self._situation = AFTER_MISS
-        self._first = True  # the request's first drafted round is yet to come
-        self.drafted = 0  # rounds drafted, over all requests
-        self.skipped = 0  # rounds the gate kept plain
+        self.forget()
 
     def begin(self) -> None:
         """A request starts: after a miss (nothing accepted yet), the probes' waits reset."""
         self._situation = AFTER_MISS
-        self._first = True
+        self._first = True  # the request's first drafted round is yet to come
         self._probe = _GateProbe(self.explore_every)
 
     def forget(self) -> None:
         """Drop what was measured (the benchmark's warm-up), back to a new gate's state."""
         self.averages = {AFTER_ACCEPT: _Average(), AFTER_MISS: _Average()}
-        self.drafted = self.skipped = 0
+        self.drafted = 0  # rounds drafted, over all requests
+        self.skipped = 0  # rounds the gate kept plain
         self.begin()
 
     def drafts(self) -> bool:
