@@ -10,6 +10,7 @@ import pytest
 from decoders.evaluation.replay import (
     Reference,
     ReplaySession,
+    projected_record,
     replay_pipeline,
     standard_records,
 )
@@ -115,6 +116,28 @@ def test_replay_projects_times_from_the_curve(tiny_pipeline):
     for reference, record in zip(recorded, standard_records(recorded, CURVE)):
         assert record.wall_time == pytest.approx(0.5 + (len(reference.tokens) - 1) * CURVE(1))
         assert record.tokens == reference.tokens
+
+
+def test_replay_reads_each_round_at_its_context():
+    """Where the curve timed longer contexts, a round's pass costs T(n + 1) after the
+    tokens before it (prompt, prefill token, earlier rounds): a long conversation's
+    passes are dearer than the reference context's, and the results file keeps that."""
+    curve = CostCurve({1: 0.010, 8: 0.017}, context={1024: {1: 0.004, 8: 0.012}})
+    reference = Reference("p", "qa", 1, list(range(768 - 1)), list(range(9)), 0.5)
+    record = projected_record(reference, curve, 1.0, reference.tokens, [0, 7, 0], [1, 7, 1])
+    # contexts 768, 769 and 776: halfway from the reference 256 to 1024, and a little past
+    seconds = [
+        0.010 + 0.004 * (768 - 256) / 768,
+        0.017 + 0.012 * (769 - 256) / 768,
+        0.010 + 0.004 * (776 - 256) / 768,
+    ]
+    assert record.verify_time == pytest.approx(sum(seconds))
+    (standard,) = standard_records([reference], curve)
+    assert standard.verify_time == pytest.approx(
+        sum(0.010 + 0.004 * (768 + i - 256) / 768 for i in range(len(reference.tokens) - 1))
+    )
+    assert CostCurve.from_json(json.loads(json.dumps(curve.as_json()))) == curve
+    assert "context" not in CURVE.as_json() and CostCurve.from_json(CURVE.as_json()) == CURVE
 
 
 def test_replayed_passes_answer_only_rows_on_the_recorded_output(tiny_pipeline):

@@ -338,10 +338,7 @@ def results_payload(
                 )
             entry["records"].append(row)
         pipelines.append(entry)
-    curves = {
-        name: {"sizes": sorted(curve.seconds), "seconds": [curve.seconds[n] for n in sorted(curve.seconds)]}
-        for name, curve in cost_curves.items()
-    }
+    curves = {name: curve.as_json() for name, curve in cost_curves.items()}
     return {
         "model": base.context.target_key,
         "dtype": str(base.session.dtype).removeprefix("torch."),

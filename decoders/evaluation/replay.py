@@ -13,8 +13,10 @@ in the real decode loop (:func:`decoders.engine.decoding.decode`, the real verif
   what the incremental passes computed).
 
 A request's time is then projected: the prefill standard decoding took in the run,
-plus T(n + 1) for each round's draft of n tokens, plus the drafting time measured
-here; standard decoding's, the prefill plus T(1) per further token. With the run's own
+plus T(n + 1) for each round's draft of n tokens, read at the context the round ran
+after where the curve timed longer contexts (a pass after 1,000 tokens costs more
+than one after the curve's 256), plus the drafting time measured here; standard
+decoding's, the prefill plus T(1) per further token, each at its context. With the run's own
 curve the projection reproduces the bench's figures up to the machine's noise and the
 verification's own overhead; with another machine's curve (``cost_curve=FILE``) it
 projects them there, the prefill scaled by T(1)'s ratio. A replay takes seconds per
@@ -302,7 +304,10 @@ def projected_record(
     """A bench record of one replayed request: the recorded prefill (scaled), T(n + 1) for
     each round's draft of n tokens, and the drafting measured."""
     prefill = reference.prefill_time * prefill_scale
-    verify = sum(curve(size + 1) for size in draft_sizes)
+    verify = sum(
+        curve.at(size + 1, context)
+        for size, context in zip(draft_sizes, round_contexts(reference, emitted_per_round))
+    )
     return Record(
         prompt_id=reference.prompt_id,
         category=reference.category,
@@ -321,6 +326,16 @@ def projected_record(
         draft_sizes=list(draft_sizes),
         prefill_time=prefill,
     )
+
+
+def round_contexts(reference: Reference, emitted_per_round: list[int]) -> list[int]:
+    """The context each round's pass runs after: the prompt, the token its prefill gave,
+    and what earlier rounds emitted."""
+    contexts, length = [], len(reference.prompt_ids) + 1
+    for emitted in emitted_per_round:
+        contexts.append(length)
+        length += emitted
+    return contexts
 
 
 def replayable(pipelines: list[Pipeline], report: bool = False) -> list[Pipeline]:
@@ -355,9 +370,7 @@ def run_replay(cfg: DictConfig) -> dict:
         run_cfg.bench.pipelines = cfg.pipelines
     run_cfg.plugins = list(run_cfg.get("plugins") or []) + list(cfg.plugins)
     load_plugins(run_cfg)
-    run_curve = CostCurve(
-        {int(n): s for n, s in zip(run["cost_curve"]["sizes"], run["cost_curve"]["seconds"])}
-    )
+    run_curve = CostCurve.from_json(run["cost_curve"])
     curve = read_cost_curve(cfg.cost_curve) if cfg.cost_curve else run_curve
     prefill_scale = curve(1) / run_curve(1)
 
@@ -409,10 +422,7 @@ def run_replay(cfg: DictConfig) -> dict:
         "workload": run["workload"],
         "repeats": 1,
         "turns": run["turns"],
-        "cost_curve": {
-            "sizes": sorted(curve.seconds),
-            "seconds": [curve.seconds[n] for n in sorted(curve.seconds)],
-        },
+        "cost_curve": curve.as_json(),
         "pipelines": entries,
     }
     write_json(Path(cfg.output), payload)

@@ -80,6 +80,33 @@ class CostCurve:
     def __call__(self, n: float) -> float:
         return _interpolate(self.seconds, n) + self.extra(n)
 
+    def at(self, n: float, context_length: int) -> float:
+        """T(n) after ``context_length`` tokens, whatever context the curve is read at."""
+        return _interpolate(self.seconds, n) + self.extra(n, context_length)
+
+    def as_json(self) -> dict:
+        """The curve as results files hold it: ``sizes`` and ``seconds`` after the reference
+        context, and ``context`` (:attr:`context`, keys as strings) where longer ones were timed."""
+        payload: dict = {
+            "sizes": sorted(self.seconds),
+            "seconds": [self.seconds[n] for n in sorted(self.seconds)],
+        }
+        if self.context:
+            payload["context"] = {
+                str(length): {str(n): s for n, s in sorted(by_n.items())}
+                for length, by_n in sorted(self.context.items())
+            }
+        return payload
+
+    @classmethod
+    def from_json(cls, payload: dict) -> CostCurve:
+        """The curve :meth:`as_json` wrote (a file without ``context`` gives none)."""
+        context = {
+            int(length): {int(n): float(s) for n, s in by_n.items()}
+            for length, by_n in (payload.get("context") or {}).items()
+        }
+        return cls({int(n): float(s) for n, s in zip(payload["sizes"], payload["seconds"])}, context=context)
+
     def extra(self, n: float, context_length: int | None = None) -> float:
         """What a pass over n tokens costs after ``context_length`` tokens (default: the
         context it is read at) beyond its cost after the reference context: the measured
