@@ -125,7 +125,7 @@ def test_replay_reads_each_round_at_its_context():
     curve = CostCurve({1: 0.010, 8: 0.017}, context={1024: {1: 0.004, 8: 0.012}})
     reference = Reference("p", "qa", 1, list(range(768 - 1)), list(range(9)), 0.5)
     record = projected_record(reference, curve, 1.0, reference.tokens, [0, 7, 0], [1, 7, 1])
-    # contexts 768, 769 and 776: halfway from the reference 256 to 1024, and a little past
+    # contexts 768, 769 and 776: two thirds of the way from the reference 256 to 1024, and a little past
     seconds = [
         0.010 + 0.004 * (768 - 256) / 768,
         0.017 + 0.012 * (769 - 256) / 768,

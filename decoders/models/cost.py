@@ -101,11 +101,8 @@ class CostCurve:
     @classmethod
     def from_json(cls, payload: dict) -> CostCurve:
         """The curve :meth:`as_json` wrote (a file without ``context`` gives none)."""
-        context = {
-            int(length): {int(n): float(s) for n, s in by_n.items()}
-            for length, by_n in (payload.get("context") or {}).items()
-        }
-        return cls({int(n): float(s) for n, s in zip(payload["sizes"], payload["seconds"])}, context=context)
+        seconds = {int(n): float(s) for n, s in zip(payload["sizes"], payload["seconds"])}
+        return cls(seconds, context=_context_of(payload))
 
     def extra(self, n: float, context_length: int | None = None) -> float:
         """What a pass over n tokens costs after ``context_length`` tokens (default: the
@@ -224,16 +221,20 @@ DISTURBED = 1.25  # a sweep whose median pass took this much longer than its fas
 COST_CURVE_ENV = "SPECDEC_COST_CURVE"
 
 
+def _context_of(payload: dict) -> dict[int, dict[int, float]]:
+    """:attr:`CostCurve.context` from a file's ``"context"`` (string keys; none if absent)."""
+    return {
+        int(length): {int(n): float(s) for n, s in by_n.items()}
+        for length, by_n in (payload.get("context") or {}).items()
+    }
+
+
 def read_cost_curve(path: str | Path) -> CostCurve:
     """A curve saved in the cache's format (``{"seconds": {"n": seconds}}``, and optionally
     ``"context": {"length": {"n": extra seconds}}``, :attr:`CostCurve.context`)."""
     try:
         data = json.loads(Path(path).read_text())
-        context = {
-            int(length): {int(n): float(s) for n, s in by_n.items()}
-            for length, by_n in (data.get("context") or {}).items()
-        }
-        return CostCurve({int(n): float(s) for n, s in data["seconds"].items()}, context=context)
+        return CostCurve({int(n): float(s) for n, s in data["seconds"].items()}, context=_context_of(data))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(
             f"cannot read a cost curve from {path} ({error}); it must be JSON like "
