@@ -288,3 +288,28 @@ def test_same_length_speedup_charges_each_pipeline_at_standard_decodings_lengths
         pipeline_entry("peer", "peer", None, None, peer, standard, greedy=False)["speedup_same_lengths"]
         is None
     )
+
+
+def test_progress_labels_are_short_and_never_shared():
+    """The progress bar's labels fit its width, and two contenders whose names begin alike
+    (a pipeline and its ungated twin, two suffix settings) never share one, which in the
+    bar's dict would drop one contender's figure."""
+    names = [
+        "draft_model_tree",
+        "draft_model_tree (ungated)",
+        "suffix(k=16,max_nodes=24)+tree",
+        "suffix(k=16,max_nodes=32)+tree",
+        "suffix(k=16,max_nodes=24)+tree, again",
+        "ngram+greedy",
+    ]
+    labels = bench.progress_labels(names)
+    assert list(labels) == names and len(set(labels.values())) == len(names)
+    assert labels["ngram+greedy"] == "ngram+greedy" and labels["draft_model_tree"] == "draft_model_tree"
+    assert labels["draft_model_tree (ungated)"] == "draft_mo…ngated)"
+    assert all(len(labels[n]) == 16 for n in names[1:4])
+    # a long name whose short label is taken (same start, same end) keeps its whole self
+    alike = bench.progress_labels(["suffix(k=16,max_nodes=24)+tree", "suffix(k=16,max_nodes=64)+tree"])
+    assert alike == {
+        "suffix(k=16,max_nodes=24)+tree": "suffix(k…4)+tree",
+        "suffix(k=16,max_nodes=64)+tree": "suffix(k=16,max_nodes=64)+tree",
+    }

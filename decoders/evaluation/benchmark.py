@@ -277,6 +277,18 @@ def turn_ids(pipeline: Pipeline, prompt: Prompt, turn: int, first_answer: str | 
     return pipeline.encode(messages)
 
 
+def progress_labels(names: list[str], width: int = 16) -> dict[str, str]:
+    """Short progress-bar labels, one per name: a long name keeps its start and its end
+    (``draft_model_tree (ungated)`` -> ``draft_mo…ngated)``), and a name whose short label
+    another already took keeps its whole self, so no two contenders share a label."""
+    labels: dict[str, str] = {}
+    for name in names:
+        head = width // 2
+        label = name if len(name) <= width else f"{name[:head]}…{name[len(name) - (width - head - 1) :]}"
+        labels[name] = name if label in labels.values() else label
+    return labels
+
+
 def target_cost_curve(cfg: DictConfig, base: Pipeline, output: Path) -> CostCurve:
     """T(n) of the target, from the shared cache or (bench.cost_cache=false) measured
     afresh into the output directory. Called before any contender is timed."""
@@ -445,13 +457,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
                             first_answers[prompt.id] = text
             payload = results_payload(cfg, base, contenders, records, number + 1, cost_curves)
             write_json(output, payload)
-            progress.set_postfix(
-                {
-                    e["name"][:14]: f"{e['speedup']:.2f}x"
-                    for e in payload["pipelines"]
-                    if e["kind"] != "standard"
-                }
-            )
+            shown = [e for e in payload["pipelines"] if e["kind"] != "standard"]
+            labels = progress_labels([e["name"] for e in shown])
+            progress.set_postfix({labels[e["name"]]: f"{e['speedup']:.2f}x" for e in shown})
     except KeyboardInterrupt:
         done = payload.get("prompts", 0)
         kept = (
