@@ -313,3 +313,32 @@ def test_progress_labels_are_short_and_never_shared():
         "suffix(k=16,max_nodes=24)+tree": "suffix(k…4)+tree",
         "suffix(k=16,max_nodes=64)+tree": "suffix(k=16,max_nodes=64)+tree",
     }
+
+
+def test_slower_categories_name_each_one_and_mark_those_below_the_noise_band():
+    """The bench's table ends by naming, per contender, the categories it ran slower than
+    standard decoding in; the A/A twin's farthest category from 1.0x sets the band, and
+    only a category below it is starred."""
+
+    def entry(name, kind, speedups):
+        return {"name": name, "kind": kind, "categories": {c: {"speedup": s} for c, s in speedups.items()}}
+
+    payload = {
+        "pipelines": [
+            entry("standard", "standard", {"a": 1.0, "b": 1.0, "c": 1.0}),
+            entry("fast", "speculative", {"a": 1.5, "b": 1.2, "c": 1.004}),  # 1.004 prints as 1.00x
+            entry("slow", "speculative", {"a": 0.99, "b": 0.93, "c": 1.1}),
+            entry("standard (A/A)", "control", {"a": 0.98, "b": 1.03, "c": 0.997}),
+            entry("peer", "peer", {"a": 0.96, "b": 0.97, "c": 0.9649}),
+        ]
+    }
+    lines = bench.slower_categories(payload)
+    assert lines[0] == "categories slower than standard decoding (* below the A/A band, 0.97x to 1.03x):"
+    assert [line.split()[0] for line in lines[1:]] == ["slow", "peer"]  # fast and the twin: none below
+    assert lines[1].endswith("b 0.93x*, a 0.99x")
+    assert lines[2].endswith("a 0.96x*, c 0.96x*, b 0.97x")  # 0.97x is the band's edge: not below it
+    # without the twin there is no band to star against; with no slower category, no lines
+    no_twin = {"pipelines": [e for e in payload["pipelines"] if e["kind"] != "control"]}
+    assert bench.slower_categories(no_twin)[0] == "categories slower than standard decoding:"
+    assert "*" not in "".join(bench.slower_categories(no_twin))
+    assert bench.slower_categories({"pipelines": payload["pipelines"][:2]}) == []

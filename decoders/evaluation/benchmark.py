@@ -512,7 +512,39 @@ def format_table(payload: dict) -> str:
             )
             lowest = f"; {low} {by_category[low]:.2f}x" if low else ""
             lines.append(f"  {e['name']:<26} {same:.2f}x{lowest}")
+    lines += slower_categories(payload)
     return "\n".join(lines)
+
+
+def slower_categories(payload: dict) -> list[str]:
+    """Lines naming, per contender, the workload categories it ran slower than standard
+    decoding in. With the A/A twin in the run, its farthest category from 1.0x sets the
+    run's noise band, and a ``*`` marks a category below the band (slower by more than
+    noise alone makes standard decoding against itself). No lines when there are no
+    categories or none is below 1.0x."""
+    entries = [e for e in payload["pipelines"] if e["kind"] != "standard" and e.get("categories")]
+    twin = next((e for e in entries if e["kind"] == "control"), None)
+    band = None  # as shown: figures are compared at the two decimals they are printed with
+    if twin is not None:
+        band = round(max(abs(1.0 - c["speedup"]) for c in twin["categories"].values()), 2)
+    rows = []
+    for e in entries:
+        if e is twin:
+            continue
+        shown = {name: round(c["speedup"], 2) for name, c in e["categories"].items()}
+        slower = sorted((speedup, name) for name, speedup in shown.items() if speedup < 1.0)
+        if slower:
+            marked = [
+                f"{name} {speedup:.2f}x{'*' if band is not None and speedup < round(1.0 - band, 2) else ''}"
+                for speedup, name in slower
+            ]
+            rows.append(f"  {e['name']:<26} {', '.join(marked)}")
+    if not rows:
+        return []
+    title = "categories slower than standard decoding"
+    if band is not None:
+        title += f" (* below the A/A band, {1.0 - band:.2f}x to {1.0 + band:.2f}x):"
+    return [title + ("" if band is not None else ":")] + rows
 
 
 def publish(cfg: DictConfig, payload: dict) -> None:
