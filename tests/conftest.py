@@ -13,6 +13,7 @@ adaptivity off.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -26,6 +27,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)  # tiny models gain nothing from threads; CI has 2 shared cores
 
 from decoders import Pipeline  # noqa: E402
+from decoders.models import cpu  # noqa: E402
 from decoders.models.cost import COST_CURVE_ENV, CostCurve  # noqa: E402
 from decoders.models.loading import ModelConfig, load_model  # noqa: E402
 
@@ -116,3 +118,47 @@ def random_prompts(count: int, vocab: int = 256, seed: int = 0, repetitive: bool
             ids = ids + ids[: length // 2] + ids
         prompts.append(ids)
     return prompts
+
+
+# ------------------------------------------------------------------ CPU capabilities
+#
+# No test assumes the CPU it runs on. A test that needs a capability is marked
+# ``requires_cpu(NAME)`` and skips, naming it, where the probe says it is absent. The
+# fallback routes run everywhere: a dtype written ``bfloat16-avx2`` is bfloat16 on a CPU
+# simulated without any probed capability (``SPECDEC_CPU_ABSENT=all``), so an AVX-512
+# machine takes the routes an AVX2-only one takes.
+
+AS_ON_AVX2 = "-avx2"
+
+
+def requires_cpu(name: str) -> pytest.MarkDecorator:
+    """Skip where this CPU (or a simulated one) lacks capability ``name``."""
+    return pytest.mark.skipif(
+        not cpu.has(name), reason=f"needs CPU capability {name} ({cpu.NEEDS[name]}), absent here"
+    )
+
+
+def split_dtype(spelled: str) -> tuple[str, bool]:
+    """``bfloat16-avx2`` -> (``bfloat16``, True): the dtype, and whether the CPU is simulated
+    without its capabilities."""
+    return spelled.removesuffix(AS_ON_AVX2), spelled.endswith(AS_ON_AVX2)
+
+
+@contextlib.contextmanager
+def cpu_for(spelled_dtype: str):
+    """Inside: the CPU this spelled dtype asks for (every capability absent for ``-avx2``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if split_dtype(spelled_dtype)[1]:
+            patch.setenv(cpu.ABSENT_ENV, "all")
+        yield
+
+
+@pytest.fixture()
+def cpu_without(monkeypatch):
+    """``cpu_without("onednn_bf16_linear", ...)`` (no names: every capability) for the rest
+    of the test, subprocesses included."""
+
+    def absent(*names: str) -> None:
+        monkeypatch.setenv(cpu.ABSENT_ENV, ",".join(names) or "all")
+
+    return absent

@@ -24,23 +24,27 @@ from decoders.models.kernels import (
 )
 from decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
 from decoders.models.session import ModelSession
-from tests.conftest import random_prompts
+from tests.conftest import cpu_for, random_prompts, split_dtype
 from tests.test_greedy_identity import lossless_verifiers, pipeline_or_skip
 
-DTYPES = ["float64", "float32", "bfloat16"]
+DTYPES = ["float64", "float32", "bfloat16", "bfloat16-avx2"]  # -avx2: on F.linear, as without oneDNN bf16
 # Two roots, siblings between a node and its ancestors, 12 nodes: more than one
 # 8-row block of the exact linear route and more query rows than MKL_MIN_ROWS.
 WIDE_TREE = [-1, -1, 0, 0, 1, 2, 2, 3, 4, 6, 6, 9]
 
 
 def exact_tiny(dtype: str, exact: str = "true") -> torch.nn.Module:
-    model, _ = load_model(ModelConfig(name="tiny-random", dtype=dtype, device="cpu", exact=exact))
+    """A tiny model in exact mode; ``bfloat16-avx2`` loads it as an AVX2-only CPU would
+    (the routes are chosen at load time)."""
+    with cpu_for(dtype):
+        config = ModelConfig(name="tiny-random", dtype=split_dtype(dtype)[0], device="cpu", exact=exact)
+        model, _ = load_model(config)
     return model
 
 
 @pytest.fixture(scope="module", params=DTYPES)
 def exact_model(request) -> torch.nn.Module:
-    return exact_tiny(request.param)
+    return exact_tiny(request.param)  # its routes stay those chosen at load
 
 
 def test_exact_setting():
@@ -53,11 +57,14 @@ def test_exact_setting():
         wants_exact("mostly", cpu, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spelled", DTYPES)
 @pytest.mark.parametrize("transposed", [False, True])
-def test_exact_linear_rows_do_not_depend_on_the_pass(dtype, transposed):
+def test_exact_linear_rows_do_not_depend_on_the_pass(spelled, transposed, cpu_without):
     """Every row of a pass of n rows equals that row computed alone (a long inner
     dimension: the down projection's 1536 is where bfloat16's single-row kernel differs)."""
+    if split_dtype(spelled)[1]:
+        cpu_without()
+    dtype = getattr(torch, split_dtype(spelled)[0])
     torch.manual_seed(0)
     layer = torch.nn.Linear(1536, 96, bias=True).to(dtype)
     x = torch.randn(48, 1536).to(dtype)
@@ -151,11 +158,13 @@ def assert_bit_identical(base: Pipeline, pipeline: Pipeline, prompt, max_new_tok
     return result.stats.accepted
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_drafts_wider_than_an_exact_pass_are_cut_to_fit(dtype, trained_artifacts, drafting_pays):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16-avx2"])
+def test_drafts_wider_than_an_exact_pass_are_cut_to_fit(dtype, trained_artifacts, drafting_pays, cpu_without):
     """A pass wider than exact mode covers (the prefill's route) would give its rows other
     bits: the decode loop cuts a draft to the widest exact pass, so even a proposer asked
     for 60-node trees stays bit-identical to standard decoding."""
+    if split_dtype(dtype)[1]:
+        cpu_without()
     model = exact_tiny(dtype)
     widest = widest_exact_pass(model)
     assert widest is not None and widest < 61
@@ -175,8 +184,12 @@ def test_drafts_wider_than_an_exact_pass_are_cut_to_fit(dtype, trained_artifacts
 
 @pytest.mark.parametrize("verifier", lossless_verifiers())
 @pytest.mark.parametrize("proposer", proposer_registry.names())
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_output_and_logits_bit_identical(dtype, proposer, verifier, trained_artifacts, drafting_pays):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16-avx2"])
+def test_greedy_output_and_logits_bit_identical(
+    dtype, proposer, verifier, trained_artifacts, drafting_pays, cpu_without
+):
+    if split_dtype(dtype)[1]:
+        cpu_without()
     model = exact_tiny(dtype)
     base = Pipeline(
         model, None, model_config=ModelConfig(name="tiny-random"), artifacts_dir=trained_artifacts
@@ -198,9 +211,11 @@ def default_model_present() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_default_model_passes_are_batch_invariant(default_model_present, dtype):
-    model, _ = load_model(ModelConfig(dtype=dtype, exact="true"))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "bfloat16-avx2"])
+def test_default_model_passes_are_batch_invariant(default_model_present, dtype, cpu_without):
+    if split_dtype(dtype)[1]:
+        cpu_without()
+    model, _ = load_model(ModelConfig(dtype=split_dtype(dtype)[0], exact="true"))
     report = check_pass_invariance(model, prefix_len=300, chain_len=8, tree=WIDE_TREE[:9])
     assert report.passed, report.summary()
 
@@ -277,10 +292,13 @@ def test_bench_times_exact_off_twins(tmp_path, monkeypatch):
     assert pipelines["ngram+greedy"]["baseline"] == "standard"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_passes_wider_than_the_measured_product_run_in_blocks(dtype):
+@pytest.mark.parametrize("spelled", ["float32", "bfloat16", "bfloat16-avx2"])
+def test_passes_wider_than_the_measured_product_run_in_blocks(spelled, cpu_without):
     """Where the CPU's kernels change past some width (measured by exact_product_rows), wider
     passes are computed in blocks of that width: every row still equals the row alone."""
+    if split_dtype(spelled)[1]:
+        cpu_without()
+    dtype = getattr(torch, split_dtype(spelled)[0])
     torch.manual_seed(0)
     layer = torch.nn.Linear(1536, 96, bias=True).to(dtype)
     route_narrow_linears(layer, transposed=False, exact=True)

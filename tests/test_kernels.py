@@ -11,6 +11,7 @@ from decoders.models.kernels import (
 )
 from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
+from tests.conftest import requires_cpu
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9, 16, 17, 41, 48, 49, 100])
@@ -26,7 +27,7 @@ def test_routed_linear_computes_the_same_product(rows, bias):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not packed_route_available(), reason="no oneDNN in this PyTorch build")
+@requires_cpu("onednn_f32_linear")
 def test_packed_route_serves_wide_float32_passes_and_follows_weight_changes():
     torch.manual_seed(0)
     layer = torch.nn.Linear(24, 40)
@@ -45,7 +46,7 @@ def test_packed_route_serves_wide_float32_passes_and_follows_weight_changes():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.skipif(not packed_route_available(), reason="no oneDNN in this PyTorch build")
+@requires_cpu("onednn_f32_linear")
 def test_packed_route_takes_weights_made_in_inference_mode():
     with torch.inference_mode():  # an inference tensor keeps no version counter
         layer = torch.nn.Linear(24, 40)
@@ -55,7 +56,7 @@ def test_packed_route_takes_weights_made_in_inference_mode():
     assert hasattr(layer, "_packed")
 
 
-@pytest.mark.skipif(not packed_route_available(), reason="no oneDNN in this PyTorch build")
+@requires_cpu("onednn_bf16_linear")
 def test_bfloat16_narrow_route_is_the_packed_linear_at_every_width():
     """bfloat16's narrow route takes oneDNN's packed linear from one row on (on the AVX-512
     BF16 EPYC measured, a whole SmolLM2-135M pass cost a quarter less than on F.linear), and
@@ -106,7 +107,7 @@ def test_routing_setting():
     cpu = torch.device("cpu")
     assert wants_narrow_routing("auto", cpu, torch.float32)
     assert not wants_narrow_routing("auto", cpu, torch.float64)
-    assert wants_narrow_routing("auto", cpu, torch.bfloat16) == packed_route_available()
+    assert wants_narrow_routing("auto", cpu, torch.bfloat16) == packed_route_available(torch.bfloat16)
     assert not wants_narrow_routing("auto", torch.device("cuda"), torch.float32)
     assert wants_narrow_routing("true", cpu, torch.float64)
     with pytest.raises(ValueError, match="narrow_passes"):

@@ -21,6 +21,7 @@ The command line is :mod:`decoders.bench`; :func:`run_benchmark` is what it runs
 
 from __future__ import annotations
 
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -39,7 +40,7 @@ from decoders.cli.config import (
 from decoders.engine.pipeline import GenerationResult, Pipeline
 from decoders.evaluation.files import write_json
 from decoders.evaluation.metrics import Record, first_divergence, physical_limit, pipeline_entry
-from decoders.evaluation.peers import make_peers
+from decoders.evaluation.peers import chosen_peers, make_peers
 from decoders.evaluation.plots import bench_plots
 from decoders.evaluation.tracking import log_benchmark
 from decoders.evaluation.workloads import Prompt, load_workload, workload_config
@@ -92,21 +93,36 @@ class Stepping:
         return generation_record(self.pipeline.result(self.decoding))
 
 
-def in_step(steppings: list[Callable[[], Stepping]]) -> list[Record]:
-    """Start every request (their prefills in this order), then run rounds: each time
-    of the request furthest behind (share of its max_new_tokens generated; ties go in
-    this order), until all are done. Their records, in this order."""
-    running = [start() for start in steppings]
-    while (
-        behind := min((s for s in running if not s.done), key=lambda s: s.progress, default=None)
-    ) is not None:
-        behind.step()
+def in_step(steppings: list[Callable[[], Stepping]], seed: int = 0) -> list[Record]:
+    """Start every request (their prefills in an order drawn from ``seed``), then run
+    rounds: each time of the request furthest behind (share of its max_new_tokens
+    generated), until all are done. Their records, in the order given.
+
+    Requests tied at the same progress go in an order drawn at random (``seed``). A fixed
+    tie order gave two equally paced requests fixed places: in the quickstart, standard
+    decoding's rounds always followed its A/A twin's and the twin's followed the speculative
+    pipelines' rounds (567 of 579 rounds), so whatever following another pipeline's pass
+    costs (its weights and buffers in the caches instead of one's own) fell on one of them
+    only. A tie order that alternates is no cure: a pipeline drafting 3 tokens a round meets
+    the twins every 4th level, always in the same direction."""
+    draw = random.Random(seed)
+    order = list(range(len(steppings)))
+    draw.shuffle(order)
+    running: list[Stepping] = [None] * len(steppings)  # type: ignore[list-item]
+    for index in order:
+        running[index] = steppings[index]()
+    while waiting := [s for s in running if not s.done]:
+        low = min(s.progress for s in waiting)
+        draw.choice([s for s in waiting if s.progress == low]).step()
     return [stepping.record() for stepping in running]
 
 
-def run_prompt(contenders: list[Contender], prompt_ids: list[int], max_new_tokens: int, rounds: bool) -> dict:
+def run_prompt(
+    contenders: list[Contender], prompt_ids: list[int], max_new_tokens: int, rounds: bool, seed: int = 0
+) -> dict:
     """Every contender on one prompt, in this order: {name: Record}. With ``rounds`` those
-    that can be stepped run in step (:func:`in_step`), at the place of the first of them."""
+    that can be stepped run in step (:func:`in_step`, ``seed`` passed on), at the place of
+    the first of them."""
     together = [c for c in contenders if c.start is not None] if rounds else []
     records: dict[str, Record] = {}
     for contender in contenders:
@@ -114,7 +130,7 @@ def run_prompt(contenders: list[Contender], prompt_ids: list[int], max_new_token
             records[contender.name] = contender.run(prompt_ids, max_new_tokens)
         elif contender is together[0]:
             starts = [lambda c=c: c.start(prompt_ids, max_new_tokens) for c in together]
-            records.update(zip((c.name for c in together), in_step(starts)))
+            records.update(zip((c.name for c in together), in_step(starts, seed)))
     return records
 
 
@@ -351,6 +367,11 @@ def results_payload(
             entry["records"].append(row)
         pipelines.append(entry)
     curves = {name: curve.as_json() for name, curve in cost_curves.items()}
+    twin = next((e for e in pipelines if e["kind"] == "control"), None)
+    aa = None
+    if twin is not None:
+        within = abs(twin["speedup"] - 1.0) <= AA_TOLERANCE
+        aa = {"speedup": twin["speedup"], "tolerance": AA_TOLERANCE, "within_tolerance": within}
     return {
         "model": base.context.target_key,
         "dtype": str(base.session.dtype).removeprefix("torch."),
@@ -370,6 +391,7 @@ def results_payload(
         "cost_curve_exact_off": curves.get(f"standard{EXACT_OFF}"),
         "pass_times": timed.describe() if (timed := pass_times(base.model)) else None,
         "config": OmegaConf.to_container(cfg, resolve=True),
+        "aa": aa,  # the A/A twin overall: within ±AA_TOLERANCE, the run supports its figures
         "pipelines": pipelines,
     }
 
@@ -397,9 +419,13 @@ def run_benchmark(cfg: DictConfig) -> dict:
         twin = base.with_components(None, None)
         pipelines.append(twin)
         contenders.append(pipeline_contender(twin, AA, "control"))
-    if cfg.bench.peers:
+    peer_setting = cfg.bench.peers
+    if OmegaConf.is_list(peer_setting):
+        peer_setting = OmegaConf.to_container(peer_setting)
+    names = chosen_peers(peer_setting, list(cfg.bench.get("default_peers") or ["hf_generate"]))
+    if names != []:
         proposers = {p.proposer.name: p.proposer for p in pipelines if p.proposer is not None}
-        peers = make_peers(target, sorted(base.eos_token_ids()), sampling, proposers)
+        peers = make_peers(target, sorted(base.eos_token_ids()), sampling, proposers, names)
         contenders += [peer_contender(peer) for peer in peers]
     if cfg.bench.exact_off and exact_passes(target):
         twins = [base.with_components(None, None)] + build_pipelines(cfg, base)
@@ -438,7 +464,8 @@ def run_benchmark(cfg: DictConfig) -> dict:
                 for repeat in range(cfg.bench.repeats):
                     shift = (number + repeat) % len(contenders)
                     order = contenders[shift:] + contenders[:shift]
-                    measured = run_prompt(order, prompt_ids, max_new, interleave == "rounds")
+                    seed = (number * len(prompt.turns) + turn) * cfg.bench.repeats + repeat  # tie order
+                    measured = run_prompt(order, prompt_ids, max_new, interleave == "rounds", seed)
                     for contender in order:
                         record = measured[contender.name]
                         text = (
@@ -513,7 +540,29 @@ def format_table(payload: dict) -> str:
             lowest = f"; {low} {by_category[low]:.2f}x" if low else ""
             lines.append(f"  {e['name']:<26} {same:.2f}x{lowest}")
     lines += slower_categories(payload)
+    if verdict := aa_verdict(payload):
+        lines.append(verdict)
     return "\n".join(lines)
+
+
+AA_TOLERANCE = 0.03  # an A/A twin further than this from 1.0x overall: the run cannot support its figures
+
+
+def aa_verdict(payload: dict) -> str | None:
+    """One line on the A/A twin's overall speedup: within ±3% of 1.0x the run's figures
+    stand on it; outside, a ``warning:`` that they cannot (standard decoding against itself,
+    in step, moved that far by noise or bias alone). None without a twin."""
+    twin = next((e for e in payload["pipelines"] if e["kind"] == "control"), None)
+    if twin is None or not twin.get("tokens_per_s"):
+        return None
+    speedup = twin["speedup"]
+    if abs(speedup - 1.0) <= AA_TOLERANCE:
+        return f"A/A twin {speedup:.3f}x overall: within ±{AA_TOLERANCE:.0%}, the run's noise band"
+    return (
+        f"warning: the A/A twin ran at {speedup:.3f}x overall, outside ±{AA_TOLERANCE:.0%}: standard "
+        "decoding against itself moved that far, so this run cannot support differences of that size; "
+        "run it again on a quieter machine or with bench.repeats=2"
+    )
 
 
 def slower_categories(payload: dict) -> list[str]:

@@ -41,11 +41,12 @@ rows share it, and switches attention to :mod:`decoders.models.exact_attention`.
 
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
 import torch.nn.functional as F
+
+from decoders.models.cpu import onednn_linear
 
 DEFAULT_MAX_ROWS = 48
 # narrowest pass that takes oneDNN's packed linear instead of the transposed product
@@ -114,20 +115,19 @@ class PackedProduct:
     @classmethod
     def of(cls, weight: torch.Tensor) -> PackedProduct | None:
         usable = weight.device.type == "cpu" and weight.dtype in PACKABLE
-        return cls(weight) if usable and packed_route_available() else None
+        return cls(weight) if usable and packed_route_available(weight.dtype) else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (rows, in) -> (rows, out)."""
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 
-@functools.cache
-def packed_route_available() -> bool:
-    """Whether this PyTorch build has oneDNN's packed linear (x86 CPU builds do)."""
-    ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and all(
-        hasattr(ops, name) for name in ("_linear_pointwise", "_reorder_linear_weight")
-    )
+def packed_route_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's packed linear runs here in ``dtype``: x86 builds of PyTorch have it
+    in float32; in bfloat16 it also needs avx512bw/vl/dq or avx_ne_convert, which AVX2-only
+    CPUs lack (probed, :mod:`decoders.models.cpu`). Where it does not, the routes that
+    would take it take ``F.linear`` instead."""
+    return onednn_linear(dtype)
 
 
 def _packed_weight(module: torch.nn.Linear) -> PackedProduct | None:
@@ -137,7 +137,7 @@ def _packed_weight(module: torch.nn.Linear) -> PackedProduct | None:
     weight = module.weight
     if (
         weight.dtype not in PACKABLE
-        or not packed_route_available()
+        or not packed_route_available(weight.dtype)
         or (torch.is_grad_enabled() and weight.requires_grad)
     ):
         return None
@@ -264,7 +264,8 @@ def route_narrow_linears(
             module._narrow_transposed = transposed
             module._exact_rows = exact
             module._packed_from = packed_from
-            packed = transposed and module.weight.dtype in PACKED_DTYPES and packed_route_available()
+            dtype = module.weight.dtype
+            packed = transposed and dtype in PACKED_DTYPES and packed_route_available(dtype)
             if exact and (packed or not transposed):
                 module._exact_product_rows = exact_product_rows(module.weight.detach(), max_rows, packed)
             module.forward = types.MethodType(narrow_linear_forward, module)
@@ -279,14 +280,14 @@ def routes_narrow_linears(model: torch.nn.Module) -> bool:
 
 
 def wants_narrow_routing(setting: str | bool, device: torch.device, dtype: torch.dtype) -> bool:
-    """``auto``: on CPU for float32, and for bfloat16 where oneDNN's packed linear is
-    available, where they were measured to pay."""
+    """``auto``: on CPU for float32, and for bfloat16 where oneDNN's packed bfloat16 linear
+    runs (not on AVX2-only CPUs), where they were measured to pay."""
     if isinstance(setting, bool):
         return setting
     if setting == "auto":
         if device.type != "cpu":
             return False
-        return dtype == torch.float32 or (dtype in PACKED_DTYPES and packed_route_available())
+        return dtype == torch.float32 or (dtype in PACKED_DTYPES and packed_route_available(dtype))
     if setting in ("true", "on"):
         return True
     if setting in ("false", "off"):

