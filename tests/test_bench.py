@@ -342,3 +342,51 @@ def test_slower_categories_name_each_one_and_mark_those_below_the_noise_band():
     assert bench.slower_categories(no_twin)[0] == "categories slower than standard decoding:"
     assert "*" not in "".join(bench.slower_categories(no_twin))
     assert bench.slower_categories({"pipelines": payload["pipelines"][:2]}) == []
+
+
+def test_peer_selection():
+    """bench.peers: true = the default peers (those that pay on the default target), all =
+    every peer whose counterpart runs, a list = those named; unknown names are refused."""
+    from decoders.evaluation.peers import chosen_peers
+
+    defaults = ["hf_generate", "hf_prompt_lookup"]
+    assert chosen_peers(True, defaults) == defaults and chosen_peers("true", defaults) == defaults
+    assert chosen_peers(False, defaults) == [] and chosen_peers(None, defaults) == []
+    assert chosen_peers("all", defaults) is None
+    assert chosen_peers(["hf_assisted"], defaults) == ["hf_assisted"]
+    with pytest.raises(ValueError, match="unknown peer 'hf_nope'.*hf_assisted"):
+        chosen_peers(["hf_nope"], defaults)
+
+
+def test_the_default_quickstart_leaves_out_what_cannot_pay():
+    """The quickstart's set: no trained early exit, no assisted generation peers; the full set
+    keeps both one override away (experiment=full_set)."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import REPO_ROOT
+
+    with initialize_config_dir(config_dir=f"{REPO_ROOT}/conf", version_base=None):
+        quick = compose(config_name="bench")
+        full = compose(config_name="bench", overrides=["experiment=full_set"])
+    labels = [entry["label"] for entry in quick.bench.default_pipelines]
+    assert "early_exit" not in labels and "copy_heads_tree" in labels
+    assert list(quick.bench.default_peers) == ["hf_generate", "hf_prompt_lookup"]
+    assert [e["label"] for e in full.bench.default_pipelines] == labels + ["early_exit"]
+    assert full.bench.peers == "all"
+
+
+@pytest.mark.parametrize(("speedup", "warns"), [(1.0, False), (0.975, False), (1.03, False), (0.94, True)])
+def test_the_table_warns_when_the_aa_twin_is_outside_three_percent(speedup, warns):
+    payload = {
+        "model": "m", "dtype": "float32", "device": "cpu", "workload": "w", "prompts": 1, "turns": 1,
+        "repeats": 1, "temperature": 0.0, "max_new_tokens": 8,
+        "pipelines": [
+            {"name": "standard", "kind": "standard", "tokens_per_s": 10.0, "speedup": 1.0},
+            {"name": "standard (A/A)", "kind": "control", "tokens_per_s": 10.0 * speedup, "speedup": speedup},
+        ],
+    }  # fmt: skip
+    for entry in payload["pipelines"]:
+        entry.update(mean_accepted_tokens=1.0, acceptance_rate=None, identical_outputs=1.0)
+        entry.update(ideal_speedup=None, efficiency=None, categories={})
+    last = bench.format_table(payload).splitlines()[-1]
+    assert last.startswith("warning: the A/A twin ran at 0.940x") if warns else "within ±3%" in last

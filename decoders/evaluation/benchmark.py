@@ -370,7 +370,7 @@ def results_payload(
     twin = next((e for e in pipelines if e["kind"] == "control"), None)
     aa = None
     if twin is not None:
-        within = abs(twin["speedup"] - 1.0) <= AA_TOLERANCE
+        within = aa_within(twin["speedup"])
         aa = {"speedup": twin["speedup"], "tolerance": AA_TOLERANCE, "within_tolerance": within}
     return {
         "model": base.context.target_key,
@@ -548,6 +548,11 @@ def format_table(payload: dict) -> str:
 AA_TOLERANCE = 0.03  # an A/A twin further than this from 1.0x overall: the run cannot support its figures
 
 
+def aa_within(speedup: float) -> bool:
+    """Whether an A/A twin's overall speedup is within ±AA_TOLERANCE of 1.0x."""
+    return round(abs(speedup - 1.0), 6) <= AA_TOLERANCE
+
+
 def aa_verdict(payload: dict) -> str | None:
     """One line on the A/A twin's overall speedup: within ±3% of 1.0x the run's figures
     stand on it; outside, a ``warning:`` that they cannot (standard decoding against itself,
@@ -556,7 +561,7 @@ def aa_verdict(payload: dict) -> str | None:
     if twin is None or not twin.get("tokens_per_s"):
         return None
     speedup = twin["speedup"]
-    if abs(speedup - 1.0) <= AA_TOLERANCE:
+    if aa_within(speedup):
         return f"A/A twin {speedup:.3f}x overall: within ±{AA_TOLERANCE:.0%}, the run's noise band"
     return (
         f"warning: the A/A twin ran at {speedup:.3f}x overall, outside ±{AA_TOLERANCE:.0%}: standard "

@@ -266,7 +266,8 @@ def route_narrow_linears(
             module._packed_from = packed_from
             dtype = module.weight.dtype
             packed = transposed and dtype in PACKED_DTYPES and packed_route_available(dtype)
-            if exact and (packed or not transposed):
+            # exact mode on F.linear: the default route, and bfloat16 without oneDNN's packed linear
+            if exact and (packed or not transposed or dtype in PACKED_DTYPES):
                 module._exact_product_rows = exact_product_rows(module.weight.detach(), max_rows, packed)
             module.forward = types.MethodType(narrow_linear_forward, module)
             count += 1
