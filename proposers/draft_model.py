@@ -281,18 +281,27 @@ def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: Mod
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
-    """Refuse a draft whose tokenizer maps tokens to different ids than the target's."""
+    """Refuse a draft whose tokenizer maps tokens to different ids than the target's: a
+    token of the target's at another id in the draft's, or a token of the draft's only at
+    an id the target gives another token. Tokens the draft adds at ids the target leaves
+    unused (a model type's own special tokens) change no id's meaning."""
     if target_tokenizer is None or draft_tokenizer is None:
         return
     target_vocab = target_tokenizer.get_vocab()
     draft_vocab = draft_tokenizer.get_vocab()
-    if target_vocab != draft_vocab:
-        differing = [t for t in list(target_vocab)[:100000] if draft_vocab.get(t) != target_vocab[t]]
+    if target_vocab == draft_vocab:
+        return
+    differing = [t for t in list(target_vocab)[:100000] if draft_vocab.get(t) != target_vocab[t]]
+    target_ids = set(target_vocab.values())
+    colliding = [t for t, i in draft_vocab.items() if t not in target_vocab and i in target_ids]
+    if differing or colliding:
+        examples = differing[:3] or colliding[:3]
         raise IncompatibleTokenizerError(
             f"draft model {draft_name!r} uses a different tokenizer from the target: "
-            f"{len(differing)} of the target's {len(target_vocab)} tokens map to other ids "
-            f"(e.g. {differing[:3]}). Speculative decoding compares token ids, so the draft must "
-            "share the target's tokenizer; choose a draft from the same model family."
+            f"{len(differing)} of the target's {len(target_vocab)} tokens map to other ids and "
+            f"{len(colliding)} of the draft's own sit at ids the target uses (e.g. {examples}). "
+            "Speculative decoding compares token ids, so the draft must share the target's "
+            "tokenizer; choose a draft from the same model family."
         )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from decoders.engine.registry import RegistryError
-from decoders.models.layered import UnsupportedArchitectureError
+from decoders.models.architecture import UnsupportedArchitectureError
 
 USER_ERRORS = (ValueError, FileNotFoundError, RegistryError, UnsupportedArchitectureError)
 USAGE_STATUS = 2

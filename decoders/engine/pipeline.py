@@ -24,6 +24,7 @@ from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, proposer_registry, round_gate_class, verifier_registry
 from decoders.engine.sampling import SamplingConfig
 from decoders.engine.verifier import Verifier
+from decoders.models.architecture import UnsupportedArchitectureError
 from decoders.models.cost import CostCurve
 from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
@@ -62,16 +63,22 @@ class Pipeline:
         self.context = PipelineContext(
             model, tokenizer, model_config or ModelConfig(name="hf"), Path(artifacts_dir), cost_curve
         )
+        # first: a model whose attention the session cannot serve is refused before anything loads
+        self.session = ModelSession(model)
         self.proposer: Proposer | None = self._component(proposer, proposer_registry, Proposer)
         if verifier is None and self.proposer is not None:
             verifier = default_verifier(self.sampling)
         self.verifier: Verifier | None = self._component(verifier, verifier_registry, Verifier)
         if self.verifier is not None:
             self.verifier.check(self.sampling)
+            if self.verifier.accepts_trees and self.session.tree_refusal:
+                raise UnsupportedArchitectureError(
+                    f"verifier={self.verifier.name}: {self.session.tree_refusal}; use a chain "
+                    "verifier (greedy or rejection)"
+                )
         self.max_new_tokens = max_new_tokens
         self.stop_strings = tuple(stop_strings)
         self.chat_template = chat_template
-        self.session = ModelSession(model)
         # round_gate: whether a round drafts at all is decided from earlier rounds
         # (decoders/sizing/round_gate.py; off by default: measured, it has not paid yet). A
         # proposer that drafts inside the target (early exit) sizes its drafts down to none

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_CAPACITY = 256  # tokens a layer's first buffer holds at least
 
@@ -71,8 +71,16 @@ class GrowingLayer(DynamicLayer):
 
 
 def growing_cache(config) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`GrowingLayer`
-    (sliding-window and other layer types stay as transformers makes them)."""
+    """A ``DynamicCache`` for ``config`` whose attention layers are all :class:`GrowingLayer`.
+
+    transformers keeps only the last window of a sliding-window (or chunked) layer, so its
+    entries no longer sit at their positions and a rollback by position cuts the wrong ones
+    (greedy speculation then left standard decoding's output on Mistral). Here every layer
+    keeps every entry; the masks apply the window (:mod:`decoders.models.architecture`).
+    Other layer types (none reach here: the session refuses them) stay as they are."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [
+        GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+        for layer in cache.layers
+    ]
     return cache

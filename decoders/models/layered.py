@@ -27,11 +27,8 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from decoders.models.architecture import UnsupportedArchitectureError
 from decoders.models.session import ModelSession
-
-
-class UnsupportedArchitectureError(TypeError):
-    """The decoder cannot be run one layer range at a time by LayeredDecoder."""
 
 
 class LayeredDecoder:

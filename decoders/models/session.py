@@ -13,15 +13,27 @@ it after verification:
 * :meth:`keep` drops the rejected tokens' KV entries after a tree pass and
   moves the accepted ones into place; :meth:`truncate` is the chain rollback.
 
-Works with models whose decoder returns ``last_hidden_state`` and whose cache is
-a ``DynamicCache`` of full-attention layers (Llama, Mistral, Qwen, SmolLM...); their
-layers append in place (:mod:`decoders.models.kv_cache`).
+Works with models whose decoder returns ``last_hidden_state`` and whose layers attend
+through a KV cache: full attention, sliding windows and chunks, hybrids of them, any
+positional scheme (rotary, partial rotary, learned absolute positions, ALiBi where its
+biases can be given per key). Every layer keeps every entry, appended in place
+(:mod:`decoders.models.kv_cache`), so ``truncate`` and ``keep`` cut all layers alike, and
+the masks apply each layer's own pattern (:mod:`decoders.models.architecture`). A model
+the session cannot serve is refused when the session is built.
 """
 
 from __future__ import annotations
 
 import torch
 
+from decoders.models.architecture import (
+    AttentionPattern,
+    UnsupportedArchitectureError,
+    alibi_from_positions,
+    attention_patterns,
+    check_tree_support,
+    uses_alibi,
+)
 from decoders.models.kv_cache import growing_cache
 
 
@@ -33,6 +45,10 @@ class ModelSession:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.patterns = attention_patterns(model)  # each layer's attention: full, sliding, chunked
+        # why tree passes cannot run on this model (None: they can); raised at the first one
+        self.tree_refusal = check_tree_support(model, self.decoder, self.patterns)
+        self.alibi = uses_alibi(model)
         self.reset()
 
     def reset(self) -> None:
@@ -80,16 +96,39 @@ class ModelSession:
         else:
             kwargs["inputs_embeds"] = inputs_embeds[None]  # (1, q, hidden)
         if parents is not None and any(p != i - 1 for i, p in enumerate(parents)):
-            new_depths = tree_depths(parents)[start - tree_start :]
-            kwargs["position_ids"] = (
-                torch.tensor(new_depths, dtype=torch.long, device=self.device) + tree_start
-            ).unsqueeze(0)  # (1, q)
-            tree_mask = tree_attention_mask(parents, tree_start, self.dtype, self.device)
-            kwargs["attention_mask"] = tree_mask[:, :, start - tree_start :]  # (1, 1, q, start + q)
-        outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
+            if self.tree_refusal:
+                raise UnsupportedArchitectureError(f"tree drafts: {self.tree_refusal}")
+            depths = torch.tensor(tree_depths(parents), dtype=torch.long)
+            key_positions = torch.cat([torch.arange(tree_start), depths + tree_start])  # (start + q,)
+            kwargs["position_ids"] = key_positions[start:].to(self.device).unsqueeze(0)  # (1, q)
+            masks = tree_attention_masks(parents, tree_start, self.patterns, self.dtype, self.device)
+            kwargs["attention_mask"] = {
+                kind: mask[:, :, start - tree_start :] for kind, mask in masks.items()
+            }
+            if len(masks) == 1:  # one pattern in every layer: a plain 4-D mask (1, 1, q, start + q)
+                kwargs["attention_mask"] = next(iter(kwargs["attention_mask"].values()))
+            if self.alibi:
+                outputs = self._alibi_tree_pass(key_positions.to(self.device), kwargs)
+            else:
+                outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
+        else:
+            outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
         self.hidden = outputs.last_hidden_state[0]  # (q, hidden)
         self.cached.extend(tokens)
         return self.lm_head(self.hidden[-1:] if last_only else self.hidden)  # (q or 1, vocab)
+
+    def _alibi_tree_pass(self, key_positions: torch.Tensor, kwargs: dict):
+        """A tree pass of an ALiBi model: each key's bias from its position (a node's depth),
+        not from its index in the cache; the decoder's own bias builder is back after it."""
+        decoder = self.decoder
+        decoder.build_alibi_tensor = alibi_from_positions(
+            type(decoder).build_alibi_tensor.__get__(decoder), key_positions
+        )
+        try:
+            kwargs.pop("position_ids")  # ALiBi has no position embeddings
+            return decoder(cache=self.cache, use_cache=True, **kwargs)
+        finally:
+            del decoder.build_alibi_tensor
 
     def truncate(self, length: int) -> None:
         """Roll the cache back to its first ``length`` tokens."""
@@ -129,12 +168,39 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
+def tree_attention_masks(
+    parents: list[int],
+    prefix_len: int,
+    patterns: list[AttentionPattern],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """One additive mask (1, 1, q, prefix_len + q) per attention pattern among ``patterns``,
+    keyed by transformers' layer type: :func:`tree_attention_mask`, narrowed for sliding and
+    chunked layers to the keys their window lets each node see, positions counted by depth."""
+    depths = torch.tensor(tree_depths(parents), dtype=torch.long)
+    key_positions = torch.cat([torch.arange(prefix_len), depths + prefix_len])  # (prefix_len + q,)
+    query_positions = depths + prefix_len  # (q,)
+    masks: dict[str, torch.Tensor] = {}
+    for pattern in dict.fromkeys(patterns):
+        if pattern.layer_type in masks:
+            continue
+        window = pattern.allows(query_positions, key_positions)
+        masks[pattern.layer_type] = tree_attention_mask(parents, prefix_len, dtype, device, window)
+    return masks
+
+
 def tree_attention_mask(
-    parents: list[int], prefix_len: int, dtype: torch.dtype, device: torch.device
+    parents: list[int],
+    prefix_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Additive mask (1, 1, q, prefix_len + q): 0 where attention is allowed.
 
-    Every new token sees the whole cached prefix, itself and its ancestors.
+    Every new token sees the whole cached prefix, itself and its ancestors; with
+    ``window`` (q, prefix_len + q) bool, only those of them it marks.
     """
     q = len(parents)
     ancestors = torch.zeros(q, q, dtype=torch.bool)  # ancestors[i, j]: j is i or an ancestor of i
@@ -143,6 +209,8 @@ def tree_attention_mask(
             ancestors[i] = ancestors[parent]
         ancestors[i, i] = True
     allowed = torch.cat([torch.ones(q, prefix_len, dtype=torch.bool), ancestors], dim=1)
+    if window is not None:
+        allowed &= window
     mask = torch.zeros(q, prefix_len + q, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.to(device)[None, None]

@@ -1,0 +1,178 @@
+"""The conformance matrix: every architecture of tests/architectures.py crossed with chain
+and tree drafts from a model-free proposer (prompt lookup) and from a drafter that runs
+beside the target (a draft model of the same architecture, loaded from a folder as a
+user's would be), greedy output identical to standard decoding on a prompt several
+sliding windows long; and, one architecture per attention family, the exact sampling
+distribution at temperature 1. A transformers release that breaks a family fails here."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoders import Pipeline
+from decoders.engine.sampling import SamplingConfig
+from decoders.models.architecture import UnsupportedArchitectureError
+from decoders.models.loading import byte_tokenizer
+from tests.architectures import ARCHITECTURES, WINDOW, Architecture
+from tests.distribution_helpers import assert_first_two_tokens_follow_the_target
+
+TEXT = b"the cat sat on the mat. the dog sat on the log. the cat sat on the log. "
+PROMPT = list(TEXT[: 4 * WINDOW + 10])  # 74 tokens: past four 16-position windows
+NEW_TOKENS = 48
+
+
+def draft_spec(arch: Architecture, **options) -> dict:
+    dtype = str(arch.dtype).removeprefix("torch.")
+    return {"name": "draft_model", "name_or_path": str(loaded(arch)[1]), "dtype": dtype, **options}
+
+
+PIPELINES = {
+    "ngram chain": (lambda arch: {"name": "ngram", "adaptive": False}, "greedy"),
+    "ngram tree": (lambda arch: {"name": "ngram", "branches": 3, "adaptive": False}, "tree"),
+    "draft chain": (lambda arch: draft_spec(arch, k=3), "greedy"),
+    "draft tree": (lambda arch: draft_spec(arch, tree=True, tree_budget=8), "tree"),
+}
+
+
+_LOADED: dict[str, tuple[Pipeline, Path, list[int]]] = {}
+
+
+def loaded(arch: Architecture) -> tuple[Pipeline, Path, list[int]]:
+    """(standard decoding on the architecture's tiny model, its draft's folder, the greedy
+    output of standard decoding), once per architecture."""
+    if arch.id not in _LOADED:
+        model = arch.build()
+        draft_dir = arch.save_draft(Path(tempfile.mkdtemp(prefix=f"draft-{arch.id}-")))
+        base = Pipeline(model, byte_tokenizer())
+        _LOADED[arch.id] = (base, draft_dir, base.generate(PROMPT, NEW_TOKENS).tokens)
+    return _LOADED[arch.id]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.id)
+def test_standard_decoding_is_transformers_generate(arch):
+    """The session's own decoding (every layer's entries kept, the window in the mask) is
+    what transformers' generate gives with its own caches."""
+    base, _, expected = loaded(arch)
+    prompt = torch.tensor([PROMPT])
+    generated = base.model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(expected), do_sample=False,
+        eos_token_id=None, pad_token_id=258,
+    )[0, len(PROMPT) :].tolist()  # fmt: skip
+    assert generated == expected
+
+
+def test_the_matrix_covers_every_family():
+    families = {a.family for a in ARCHITECTURES}
+    assert len(ARCHITECTURES) >= 25
+    assert {"rotary", "partial rotary", "absolute", "alibi", "sliding", "hybrid", "moe"} <= families
+    for model_type in ("mistral", "gemma2", "gemma3_text", "bloom", "mixtral", "qwen3_moe", "gpt2", "opt"):
+        assert model_type in {a.model_type for a in ARCHITECTURES}
+
+
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.id)
+def test_greedy_identical_on_every_architecture(arch, pipeline):
+    base, _, expected = loaded(arch)
+    proposer, verifier = PIPELINES[pipeline]
+    speculative = base.with_components(proposer(arch), verifier)
+    result = speculative.generate(PROMPT, NEW_TOKENS)
+    assert result.tokens == expected
+    assert result.stats.proposed > 0, "nothing was drafted: the pipeline was not exercised"
+
+
+def test_every_architecture_accepts_drafts():
+    """Across its pipelines, each architecture accepted draft tokens in chains and in trees,
+    so identity above was tested on accepted paths, not only on rejected drafts."""
+    for arch in ARCHITECTURES:
+        base, _, _ = loaded(arch)
+        accepted = {}
+        for name, (proposer, verifier) in PIPELINES.items():
+            accepted[name] = (
+                base.with_components(proposer(arch), verifier).generate(PROMPT, 24).stats.accepted
+            )
+        assert accepted["draft chain"] + accepted["ngram chain"] > 0, (arch.id, accepted)
+        assert accepted["draft tree"] + accepted["ngram tree"] > 0, (arch.id, accepted)
+
+
+ONE_PER_FAMILY = ["llama", "phi", "gpt2", "bloom", "mistral", "gemma3_text", "mixtral"]
+
+
+@pytest.mark.parametrize("pipeline", ["draft chain", "draft tree"])
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.id in ONE_PER_FAMILY], ids=lambda a: a.id)
+def test_sampling_distribution_on_every_attention_family(arch, pipeline):
+    """At temperature 1 (top-k 4, so 16 cells), the first two tokens after a prompt four
+    windows long follow the target's own two-token distribution: rejection sampling on
+    chains, the tree verifier on trees."""
+    base, _, _ = loaded(arch)
+    sampling = SamplingConfig(temperature=1.0, top_k=4)
+    proposer, _ = PIPELINES[pipeline]
+    verifier = "rejection" if pipeline == "draft chain" else "tree"
+    speculative = base.with_components(proposer(arch), verifier, sampling=sampling)
+    assert_first_two_tokens_follow_the_target(base, speculative, PROMPT, sampling, 400, f"{arch.id} drafts")
+
+
+def test_a_recurrent_cache_is_refused_when_the_session_is_built():
+    """A model with a layer whose cache cannot be cut back (a linear-attention state) is
+    refused in one line naming the model and the layer, before anything runs."""
+    from decoders.models.session import ModelSession
+
+    model = ARCHITECTURES[0].build(0)
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM: layer 1 is 'linear_attention'"):
+        ModelSession(model)
+
+
+def test_alibi_without_per_key_positions_refuses_trees_and_runs_chains():
+    """MPT builds its ALiBi biases from key indexes inside its forward: chains run, a tree
+    verifier is refused when the pipeline is built, and a tree pass by any other route in
+    one line, instead of giving its nodes the wrong biases."""
+    mpt = Architecture("mpt", "alibi")
+    base = Pipeline(mpt.build(0), byte_tokenizer())
+    expected = base.generate(PROMPT, 16).tokens
+    chain = base.with_components({"name": "ngram", "adaptive": False}, "greedy")
+    assert chain.generate(PROMPT, 16).tokens == expected
+    with pytest.raises(UnsupportedArchitectureError, match="verifier=tree: MptForCausalLM adds ALiBi biases"):
+        base.with_components({"name": "ngram", "branches": 3}, "tree")
+    base.session.reset()
+    base.session.forward(PROMPT)
+    with pytest.raises(UnsupportedArchitectureError, match="tree drafts: MptForCausalLM"):
+        base.session.forward([1, 2, 3], parents=[-1, -1, 0])
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mistral"])
+def test_exact_mode_refuses_what_it_cannot_make_bit_identical(model_type):
+    """model.exact=true on an architecture whose passes exact mode cannot route (GPT-2's Conv1D
+    projections; a sliding window) is refused in one line."""
+    from decoders.models.loading import ModelConfig, prepare_model
+
+    arch = next(a for a in ARCHITECTURES if a.id == model_type)
+    with pytest.raises(
+        UnsupportedArchitectureError, match="model.exact=true: .* NOT bit-identical.*model.exact=false"
+    ):
+        prepare_model(arch.build(), ModelConfig(name="hf", dtype="float32", exact="true", device="cpu"))
+
+
+def test_early_exit_refuses_a_decoder_it_cannot_split():
+    """The early exit runs the target's layers range by range; on a sliding-window model it
+    is refused in one line naming the decoder and what is missing."""
+    base, _, _ = loaded(next(a for a in ARCHITECTURES if a.id == "mistral"))
+    with pytest.raises(UnsupportedArchitectureError, match="MistralModel uses attention layer types"):
+        base.with_components({"name": "early_exit", "exit_layer": 1}, "greedy")
+
+
+def test_exact_auto_goes_off_where_the_check_fails(monkeypatch, capsys):
+    """model.exact=auto (on for bfloat16 on CPU) switches exact mode off, saying why, where
+    the start-up check finds the rows not bit-identical on this machine or architecture."""
+    from decoders.models import invariance
+    from decoders.models.kernels import exact_passes
+    from decoders.models.loading import ModelConfig, load_model
+
+    failing = invariance.InvarianceReport(0, 5, 0, 6, max_difference=1e-3)
+    monkeypatch.setattr(invariance, "check_pass_invariance", lambda model: failing)
+    model, _ = load_model(ModelConfig(name="tiny-random", dtype="bfloat16", exact="auto"))
+    assert not exact_passes(model)
+    assert "but verification rows NOT bit-identical" in capsys.readouterr().err
