@@ -49,9 +49,9 @@ from decoders.engine.registry import import_plugins_from_argv
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
 from decoders.cli.config import CONF_DIR  # noqa: E402
-from decoders.cli.errors import cli_errors  # noqa: E402
+from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
 from decoders.evaluation.audit import run_audit  # noqa: E402
-from decoders.evaluation.files import write_json  # noqa: E402
+from decoders.evaluation.files import check_writable, write_json  # noqa: E402
 from decoders.evaluation.tracking import log_audit  # noqa: E402
 
 
@@ -59,6 +59,7 @@ from decoders.evaluation.tracking import log_audit  # noqa: E402
 @cli_errors
 def main(cfg: DictConfig) -> None:
     output = Path(cfg.audit.output)
+    check_writable(output, "audit.output")  # before anything slow
     written: list[dict] = []
 
     def keep(partial: dict) -> None:
@@ -86,4 +87,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("audit")  # Hydra's errors in one line too
     main()

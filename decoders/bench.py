@@ -27,7 +27,7 @@ from decoders.engine.registry import import_plugins_from_argv
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
 from decoders.cli.config import CONF_DIR  # noqa: E402
-from decoders.cli.errors import cli_errors  # noqa: E402
+from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
 from decoders.evaluation.benchmark import format_table, publish, run_benchmark  # noqa: E402
 from decoders.models.loading import resolve_device  # noqa: E402
 
@@ -43,4 +43,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("bench")  # Hydra's errors in one line too
     main()

@@ -15,7 +15,7 @@ from decoders.engine.registry import import_plugins_from_argv
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
 from decoders.cli.config import CONF_DIR, component, load_plugins, model_config, sampling_config  # noqa: E402
-from decoders.cli.errors import cli_errors  # noqa: E402
+from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
 from decoders.engine.pipeline import Pipeline  # noqa: E402
 
 
@@ -36,6 +36,16 @@ def format_stats(stats) -> str:
     return "\n".join(lines)
 
 
+def stop_strings(setting) -> list[str]:
+    """``stop=assist`` is one stop string (a bare string was split into its characters);
+    ``stop=[a,b]`` a list of them."""
+    if setting is None:
+        return []
+    if isinstance(setting, str):
+        return [setting]
+    return [str(item) for item in setting]
+
+
 @hydra.main(config_path=CONF_DIR, config_name="generate", version_base="1.3")
 @cli_errors
 def main(cfg: DictConfig) -> None:
@@ -47,7 +57,7 @@ def main(cfg: DictConfig) -> None:
         sampling_config(cfg),
         artifacts_dir=cfg.artifacts_dir,
         max_new_tokens=cfg.max_new_tokens,
-        stop_strings=list(cfg.stop),
+        stop_strings=stop_strings(cfg.stop),
         chat_template=cfg.chat_template,
         round_gate=bool(cfg.get("round_gate", False)),
     )
@@ -57,4 +67,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("generate")  # Hydra's errors in one line too
     main()

@@ -22,7 +22,7 @@ from decoders.engine.registry import import_plugins_from_argv
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
 from decoders.cli.config import CONF_DIR  # noqa: E402
-from decoders.cli.errors import cli_errors  # noqa: E402
+from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
 from decoders.evaluation.benchmark import format_table  # noqa: E402
 from decoders.evaluation.plots import bench_plots  # noqa: E402
 from decoders.evaluation.replay import run_replay  # noqa: E402
@@ -42,4 +42,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("replay")  # Hydra's errors in one line too
     main()

@@ -54,6 +54,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
+from decoders.engine.files import readable_artifact
 from decoders.engine.proposer import Proposer, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
@@ -147,7 +148,8 @@ class DraftModelProposer(Proposer):
         device = str(next(target.parameters()).device)
         model_config = ModelConfig(name="hf", name_or_path=path, dtype=dtype, device=device)
         if (draft_dir / FROM_TARGET_FILE).exists():
-            return load_draft_sharing_target(draft_dir, target, model_config)
+            with readable_artifact(draft_dir, "python -m train drafter=draft_model"):
+                return load_draft_sharing_target(draft_dir, target, model_config)
         model, tokenizer = load_model(model_config)
         check_same_tokenizer(self.context.tokenizer, tokenizer, path)
         return model

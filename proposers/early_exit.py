@@ -48,6 +48,7 @@ from safetensors.torch import load_file, save_file
 
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
+from decoders.engine.files import readable_artifact
 from decoders.engine.proposer import Proposer, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
@@ -244,7 +245,9 @@ class EarlyExitProposer(Proposer):
                 f"model={self.context.model_config.name} drafter.exit_layer={self.exit_layer}`, "
                 "or set proposer.trained=false to draft with the target's own norm and head."
             )
-        head = ExitHead.load(target, directory)
+        train = f"python -m train drafter=early_exit drafter.exit_layer={self.exit_layer}"
+        with readable_artifact(directory, train):
+            head = ExitHead.load(target, directory)
         self.artifact = artifact_source(directory)
         if head.exit_layer != self.exit_layer:
             raise ValueError(

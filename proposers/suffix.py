@@ -35,14 +35,14 @@ them as point masses, so the proposer is lossless at any temperature. With
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from decoders.engine.draft import Draft, Round
+from decoders.engine.files import write_json
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import register_proposer
 from decoders.sizing.acceptance import AcceptanceStats
@@ -157,7 +157,22 @@ class SuffixProposer(Proposer):
         self.memory.add_document(kept[-self.config.memory_tokens :])
         self._evict(self.memory)
         if self.config.memory_path:
-            save_memory(self.memory, Path(self.config.memory_path), self.context.target_key)
+            self._save_request(Path(self.config.memory_path), kept[-self.config.memory_tokens :])
+
+    def _save_request(self, path: Path, request: list[int]) -> None:
+        """Add the finished request to ``memory_path``, merged with what other processes wrote
+        there meanwhile: under an exclusive lock the file is read, the request appended, the
+        oldest dropped to the bounds, and the file replaced. (Each process writing its own
+        memory whole, the last writer erased the others' requests.)"""
+        config = self.config
+        with locked(path):
+            requests = load_memory(path, self.context.target_key) if path.exists() else []
+            requests.append(list(request))
+            while requests and (
+                len(requests) > config.memory_requests or sum(map(len, requests)) > config.memory_tokens
+            ):
+                requests.pop(0)
+            write_memory(requests, path, self.context.target_key)
 
     def forget(self) -> None:
         self.memory = self._memory_of(self._loaded)
@@ -276,16 +291,30 @@ def tree_of(ranked: list[tuple[tuple, Candidate]]) -> tuple[Draft, list[tuple]]:
 def save_memory(memory: SuffixIndex, path: Path, target: str) -> None:
     """Write the memory's requests (oldest first) as JSON, atomically; ``target`` names
     the model (and so the tokenizer) whose token ids they are."""
-    payload = {
-        "format": MEMORY_FORMAT,
-        "target": target,
-        "requests": [memory.document(i) for i in range(memory.documents)],
-    }
+    write_memory([memory.document(i) for i in range(memory.documents)], path, target)
+
+
+def write_memory(requests: list[list[int]], path: Path, target: str) -> None:
+    """``requests`` (oldest first) as a memory file for ``target``, written atomically."""
+    write_json(path, {"format": MEMORY_FORMAT, "target": target, "requests": requests}, indent=None)
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive advisory lock on ``path`` (through ``path.lock``) for the block: the
+    processes that share a memory file take turns reading and replacing it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle)
-    os.replace(tmp, path)
+    with open(path.with_name(path.name + ".lock"), "a") as handle:
+        try:
+            import fcntl
+        except ImportError:  # no advisory locks on this platform: merge without one
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_memory(path: Path, target: str) -> list[list[int]]:

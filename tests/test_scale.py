@@ -161,7 +161,8 @@ def test_run_killed_at_a_checkpoint_resumes_to_the_same_weights(two_processes, t
     killed = torchrun(["tests.kill_at_checkpoint", "10", *args])
     assert killed.returncode != 0
     checkpoint = tmp_path / TARGET_KEY / "draft_model" / "checkpoint"
-    assert [p.name for p in checkpoint.iterdir()] == ["step-00000010"], failure(killed)
+    (folder,) = checkpoint.iterdir()  # the folder of this run's settings
+    assert [p.name for p in folder.iterdir()] == ["step-00000010"], failure(killed)
 
     resumed = accelerate_launch(["train", *args])
     assert resumed.returncode == 0, failure(resumed)

@@ -22,6 +22,7 @@ from decoders.evaluation.workloads import DEFAULT_PROMPTS
 from decoders.models.session import ModelSession
 from proposers.medusa.artifact import load_artifact
 from tests.conftest import REPO_ROOT, random_prompts
+from train import checkpoints
 from train import prompts as builtin
 from train.data import DataConfig, read_prompt_file, self_distilled, split_heldout
 from train.job import drafter_module, run
@@ -176,7 +177,8 @@ def test_interrupted_training_resumes_to_the_same_result(tmp_path):
         fit(
             module, rows, lambda b: loss_fn(b, interrupt_at=11, calls=calls), cfg, tmp_path / "b", "f", logger
         )
-    assert [d.name for d in (tmp_path / "b").iterdir()] == ["step-00000011"]  # the step it was in, completed
+    own = checkpoints.own_folder(tmp_path / "b", "f")  # the folder of this run's settings
+    assert [d.name for d in own.iterdir()] == ["step-00000011"]  # the step it was in, completed
     module = make_module()
     fit(module, rows, loss_fn, cfg, tmp_path / "b", "f", logger)
     for got, want in zip(module.parameters(), expected):

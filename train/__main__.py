@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 from decoders.cli.config import CONF_DIR
-from decoders.cli.errors import cli_errors
+from decoders.cli.errors import check_command_line, cli_errors
 from train.job import run
 from train.processes import leave_process_group
 
@@ -19,4 +19,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("train")  # Hydra's errors in one line too
     main()

@@ -1,11 +1,14 @@
 """Training checkpoints on accelerate's ``save_state`` / ``load_state``, laid out so
 that a kill at any moment leaves the newest complete checkpoint intact.
 
-Layout of a checkpoint folder (``<artifact>/checkpoint``)::
+Layout of a checkpoint folder (``<artifact>/checkpoint``), one folder per run's settings
+(the first 12 hex digits of its fingerprint's SHA-1), so a run with other settings neither
+resumes from nor deletes another's checkpoints::
 
-    step-00000050/           what accelerate saves: optimizer, scheduler, each process's RNG state,
-      trainable.safetensors  the drafter's trainable parameters, by their unwrapped names
-      progress.json          step and fingerprint (the drafter and data settings), written last
+    3f2a9c0b1d4e/
+     step-00000050/          what accelerate saves: optimizer, scheduler, each process's RNG state,
+       trainable.safetensors the drafter's trainable parameters, by their unwrapped names
+       progress.json         step and fingerprint (the drafter and data settings), written last
 
 Two things stay hand-written, and why:
 
@@ -23,6 +26,7 @@ Two things stay hand-written, and why:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -76,10 +80,16 @@ def latest(checkpoint: Path) -> Path | None:
     return max(complete, key=lambda d: d.name, default=None)
 
 
+def own_folder(checkpoint: Path, fingerprint: str) -> Path:
+    """Where the checkpoints of the run with ``fingerprint`` go, under ``checkpoint``."""
+    return checkpoint / hashlib.sha1(fingerprint.encode()).hexdigest()[:12]
+
+
 def save(accelerator: Accelerator, checkpoint: Path, step: int, fingerprint: str) -> Path:
-    """Write the training state at ``step`` (once per step); every process calls this (each
-    saves its RNG state)."""
-    final = checkpoint / f"step-{step:08d}"
+    """Write the training state at ``step`` (once per step) into this run's own folder; every
+    process calls this (each saves its RNG state). Only this run's older steps are deleted."""
+    folder = own_folder(checkpoint, fingerprint)
+    final = folder / f"step-{step:08d}"
     tmp = final.with_suffix(".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed midway
@@ -90,29 +100,58 @@ def save(accelerator: Accelerator, checkpoint: Path, step: int, fingerprint: str
     if accelerator.is_main_process:
         (tmp / PROGRESS_FILE).write_text(json.dumps({"step": step, "fingerprint": fingerprint}))
         os.replace(tmp, final)
-        for older in checkpoint.glob("step-*"):
+        for older in folder.glob("step-*"):
             if older != final:
                 shutil.rmtree(older, ignore_errors=True)
     return final
 
 
 def restore(accelerator: Accelerator, checkpoint: Path, fingerprint: str) -> int:
-    """Load the newest checkpoint if its fingerprint matches; returns the step to continue
-    from (0 = fresh start). Every process calls this."""
-    found = latest(checkpoint)
+    """Load this run's newest checkpoint (its own folder; a checkpoint of the layout before
+    per-settings folders is taken if its fingerprint matches); returns the step to continue
+    from (0 = fresh start). Checkpoints of other settings are kept, and said so. A checkpoint
+    that cannot be read ends the run in one line naming it and how to start afresh. Every
+    process calls this."""
+    found = latest(own_folder(checkpoint, fingerprint))
+    legacy = latest(checkpoint)
+    if found is None and legacy is not None and _progress(legacy).get("fingerprint") == fingerprint:
+        found = legacy
+    others = [d for d in checkpoint.glob("*/") if d.is_dir() and d != own_folder(checkpoint, fingerprint)]
+    others = [d for d in others if latest(d) is not None] + ([legacy] if legacy not in (None, found) else [])
+    if others and accelerator.is_main_process:
+        print(
+            f"[train] keeping {len(others)} checkpoint(s) of other settings under {checkpoint} "
+            "(not this run's; delete them when no longer needed)",
+            file=sys.stderr,
+        )
     if found is None:
         return 0
-    progress = json.loads((found / PROGRESS_FILE).read_text())
-    if progress.get("fingerprint") != fingerprint:
-        if accelerator.is_main_process:
-            print(f"[train] ignoring {found}: it belongs to other settings; starting afresh", file=sys.stderr)
-        return 0
-    accelerator.load_state(str(found))
+    try:
+        accelerator.load_state(str(found))
+    except Exception as error:  # noqa: BLE001 - a torn or corrupted file, whatever the reader raises
+        raise ValueError(
+            f"the checkpoint {found} cannot be read ({type(error).__name__}: {str(error).splitlines()[0]}); "
+            f"delete it (rm -r {found}) or set train.resume=false to start afresh"
+        ) from None
+    progress = _progress(found)
     if accelerator.is_main_process:
         print(f"[train] resuming from {found} at step {progress['step']}", file=sys.stderr)
     return int(progress["step"])
 
 
-def remove(checkpoint: Path) -> None:
-    """Delete the checkpoints once the artifact is written (main process)."""
-    shutil.rmtree(checkpoint, ignore_errors=True)
+def _progress(found: Path) -> dict:
+    try:
+        return json.loads((found / PROGRESS_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def remove(checkpoint: Path, fingerprint: str) -> None:
+    """Delete this run's checkpoints once its artifact is written (main process); those of
+    other settings stay."""
+    shutil.rmtree(own_folder(checkpoint, fingerprint), ignore_errors=True)
+    legacy = latest(checkpoint)
+    if legacy is not None and _progress(legacy).get("fingerprint") == fingerprint:
+        shutil.rmtree(legacy, ignore_errors=True)
+    if checkpoint.exists() and not any(checkpoint.iterdir()):
+        checkpoint.rmdir()

@@ -150,7 +150,8 @@ def train(job: TrainJob) -> Path:
 
     checkpoint = output / "checkpoint"
     start = time.perf_counter()
-    last = fit(draft, rows, loss_fn, cfg, checkpoint, _fingerprint(job, cfg, layers, rows), job.logger,
+    fingerprint = _fingerprint(job, cfg, layers, rows)
+    last = fit(draft, rows, loss_fn, cfg, checkpoint, fingerprint, job.logger,
                job.resume, job.scale)  # fmt: skip
     seconds = time.perf_counter() - start
     if not job.is_main_process:
@@ -185,7 +186,7 @@ def train(job: TrainJob) -> Path:
         "training": job.training_record(cfg, len(training), int(rows["response_len"].sum())),
     }
     (output / META_FILE).write_text(json.dumps(meta, indent=2))
-    checkpoints.remove(checkpoint)
+    checkpoints.remove(checkpoint, fingerprint)
     return output
 
 

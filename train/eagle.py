@@ -88,6 +88,8 @@ def train(job: TrainJob) -> Path:
     cfg: Config = job.drafter_config(Config)
     if cfg.ttt_steps < 1:
         raise ValueError(f"drafter.ttt_steps must be >= 1, got {cfg.ttt_steps}")
+    if job.eval_only:
+        job.measured_artifact(CONFIG_FILE)  # a missing artifact is said before any data is generated
     sequences = job.sequences()
     training, heldout = split_heldout(sequences, job.data_config.heldout)
     target = job.pipeline.model
@@ -150,7 +152,7 @@ def train(job: TrainJob) -> Path:
         "training": job.training_record(cfg, len(training), positions),
     }
     save_artifact(peft_drafter, job.output_dir, meta, counts)
-    checkpoints.remove(checkpoint)
+    checkpoints.remove(checkpoint, fingerprint)
     return job.output_dir
 
 

@@ -167,7 +167,7 @@ def train(job: TrainJob) -> Path:
         "training": job.training_record(cfg, len(examples)),
     }
     (output / "training.json").write_text(json.dumps(meta, indent=2))
-    checkpoints.remove(checkpoint)
+    checkpoints.remove(checkpoint, fingerprint)
     return output
 
 

@@ -17,8 +17,10 @@ single-process run writes and reads, batch for batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +197,22 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _interrupt_says_what_is_kept(store: GenerationStore, done, total: int, main: bool):
+    """Ctrl-C while generating the training data: say what is kept (every finished batch is in
+    the store) and that the same command continues from it."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if main:
+            print(
+                f"\n[train] interrupted while generating training data: the {done()} of {total} sequences "
+                f"finished are kept in {store.directory}; run the same command again to continue",
+                file=sys.stderr,
+            )
+        raise
+
+
 def generate_all(
     model: torch.nn.Module,
     requests: list[Request],
@@ -222,7 +240,10 @@ def generate_all(
         with state.split_between_processes(list(enumerate(batches))) as mine:
             mine_count = sum(len(batch) for _, batch in mine)
             new_tokens, start = 0, time.perf_counter()
-            with tqdm(total=mine_count, desc=desc, unit="seq", disable=not state.is_main_process) as progress:
+            with (
+                tqdm(total=mine_count, desc=desc, unit="seq", disable=not state.is_main_process) as progress,
+                _interrupt_says_what_is_kept(store, lambda: progress.n, mine_count, state.is_main_process),
+            ):
                 for index, batch in mine:
                     # Seeded per part, so sampled stages reproduce however often they are resumed
                     # and however many processes share the work.

@@ -83,6 +83,8 @@ class Config(FitConfig):
 
 def train(job: TrainJob) -> Path:
     cfg: Config = job.drafter_config(Config)
+    if job.eval_only:
+        job.measured_artifact(CONFIG_FILE)  # a missing artifact is said before any data is generated
     training, heldout = split_heldout(job.sequences(), job.data_config.heldout)
     lm_head = job.pipeline.model.get_output_embeddings()
     embeddings = job.pipeline.model.get_input_embeddings()
@@ -150,7 +152,7 @@ def train(job: TrainJob) -> Path:
         "training": job.training_record(cfg, len(training), positions),
     }
     save_artifact(peft_heads, job.output_dir, meta)
-    checkpoints.remove(checkpoint)
+    checkpoints.remove(checkpoint, fingerprint)
     return job.output_dir
 
 

@@ -100,6 +100,15 @@ def ship(artifact: Path, destination: Path, target: torch.nn.Module | None = Non
     return written
 
 
+# the file each drafter's artifact is known by (what its proposer checks before loading)
+ARTIFACT_MARKERS = ("medusa.json", "eagle.json", "exit_config.json", "config.json")
+
+
+def is_artifact(directory: Path) -> bool:
+    """Whether ``directory`` holds an artifact ``python -m train`` wrote."""
+    return any((directory / marker).exists() for marker in ARTIFACT_MARKERS)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -115,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     for artifact in args.artifacts:
         if not artifact.is_dir():
             parser.error(f"{artifact} is not a directory; pass e.g. artifacts/smollm2-135m/medusa")
+        if not is_artifact(artifact):
+            parser.error(
+                f"{artifact} holds no trained drafter (none of {', '.join(ARTIFACT_MARKERS)}); "
+                "pass a folder written by python -m train, e.g. artifacts/smollm2-135m/medusa"
+            )
         drafter, target_key = artifact.resolve().name, artifact.resolve().parent.name
         destination = SHIPPED_ARTIFACTS / target_key / drafter
         target = tokenizer = None

@@ -13,6 +13,8 @@ defining a dataclass stores it (this one stores ``sampling`` and the ``model`` s
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,17 @@ from omegaconf import DictConfig, OmegaConf
 from decoders.engine.registry import import_plugins, load_builtins
 from decoders.engine.sampling import SamplingConfig
 from decoders.models.loading import ModelConfig
+
+
+def run_id() -> str:
+    """What makes this process's output folder its own: the date and time Hydra names it by
+    are shared by every run started in the same second (two benches started together wrote
+    one results.json), so the folder also carries the process id and a random tag."""
+    return f"{os.getpid()}-{secrets.token_hex(2)}"
+
+
+# resolved once per process (use_cache), so every mention of the folder names the same one
+OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
 
 # Hydra validates `proposer=NAME` against the Configs in its ConfigStore while it
 # composes, so every built-in is imported (and its Config stored) before any entry

@@ -175,8 +175,8 @@ def import_plugins(modules: Iterable[str]) -> None:
             importlib.import_module(module)
         except ImportError as error:
             raise ImportError(
-                f"could not import plugin module {module!r} listed in `plugins`: {error}. "
-                "Make sure it is importable (installed, or on PYTHONPATH)."
+                f"could not import plugin module {module!r} listed in `plugins` ({error}); "
+                "make sure it is importable (installed, or on PYTHONPATH)"
             ) from error
 
 
@@ -192,7 +192,13 @@ def import_plugins_from_argv(argv: list[str] | None = None) -> None:
         if key.lstrip("+") != "plugins" or not value:
             continue
         value = value.strip().strip("[]")
-        import_plugins(m.strip().strip("'\"") for m in value.split(",") if m.strip())
+        try:
+            import_plugins(m.strip().strip("'\"") for m in value.split(",") if m.strip())
+        except ImportError as error:  # on the command line: one line and status 2, as other errors
+            if "debug=true" in (argv if argv is not None else sys.argv[1:]):
+                raise
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
 
 
 BUILTIN_PROPOSERS = {

@@ -153,13 +153,20 @@ def decided_rows(pipeline: Pipeline) -> Iterator[list[torch.Tensor]]:
 
 
 def greedy_audit(
-    standard: Pipeline, speculative: Pipeline, prompts: list[AuditPrompt], max_new_tokens: int
+    standard: Pipeline,
+    speculative: Pipeline,
+    prompts: list[AuditPrompt],
+    max_new_tokens: int,
+    checkpoint: Callable[[tuple[float, float, list[Divergence], int]], None] | None = None,
 ) -> tuple[float, float, list[Divergence]]:
     """Shares of prompts whose outputs are identical and whose decisive logits are
-    bit-identical too (:func:`decided_rows`), and the divergences."""
+    bit-identical too (:func:`decided_rows`), and the divergences. ``checkpoint`` gets
+    them over the prompts done so far, and their number, after each prompt."""
     divergences: list[Divergence] = []
     bit_identical = 0
-    for prompt_id, prompt_ids in tqdm(prompts, desc="greedy"):
+    for done, (prompt_id, prompt_ids) in enumerate(tqdm(prompts, desc="greedy")):
+        if checkpoint is not None and done:
+            checkpoint((1 - len(divergences) / done, bit_identical / done, list(divergences), done))
         with decided_rows(standard) as expected_rows:
             expected = standard.generate(prompt_ids, max_new_tokens).tokens
         with decided_rows(speculative) as produced_rows:
@@ -325,18 +332,35 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
     start = time.perf_counter()
 
     speculative = standard.with_components(proposer_cfg, verifier_cfg)
-    identical, bit_identical, divergences = greedy_audit(
-        standard, speculative, prompts[: audit.prompts], audit.max_new_tokens
-    )
-    ties_only = all(d.logit_gap is not None and abs(d.logit_gap) <= tolerance for d in divergences)
+    greedy_prompts = len(prompts[: audit.prompts])
+    identical, bit_identical, divergences, greedy_done = 0.0, 0.0, [], 0
 
     def record(sampling_result: dict | None, complete: bool) -> dict:
-        passed = ties_only and (sampling_result is None or sampling_result["passed"])
+        """The audit so far. Until it is complete it has not passed, whatever it found: an
+        interrupted test is neither passed nor skipped."""
+        ties_only = all(d.logit_gap is not None and abs(d.logit_gap) <= tolerance for d in divergences)
+        passed = complete and ties_only and (sampling_result is None or sampling_result["passed"])
+        unfinished = None
+        if not complete:
+            unfinished = (
+                f"greedy test interrupted after {greedy_done} of {greedy_prompts} prompts"
+                if greedy_done < greedy_prompts
+                else "sampling test interrupted after "
+                f"{(sampling_result or {}).get('prompts', 0)} of {audit.sampling_prompts} prompts"
+            )
         return {
             "passed": passed,
             "complete": complete,
+            "unfinished": unfinished,
             "verdict": verdict(
-                passed, identical, bit_identical, divergences, tolerance, sampling_result, declared_lossless
+                passed,
+                identical,
+                bit_identical,
+                divergences,
+                tolerance,
+                sampling_result,
+                declared_lossless,
+                unfinished,
             ),
             "pipeline": speculative.name,
             "proposer": speculative.proposer.name,  # type: ignore[union-attr]
@@ -351,7 +375,7 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
             "greedy_identical": identical,
             "bit_identical": bit_identical,
             "exact_mode": exact_passes(target),
-            "greedy_prompts": len(prompts[: audit.prompts]),
+            "greedy_prompts": greedy_done,
             "greedy_max_new_tokens": audit.max_new_tokens,
             "tie_tolerance": tolerance,
             "divergences": [asdict(d) for d in divergences],
@@ -363,6 +387,16 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
 
+    def greedy_so_far(partial: tuple[float, float, list[Divergence], int]) -> None:
+        nonlocal identical, bit_identical, divergences, greedy_done
+        identical, bit_identical, divergences, greedy_done = partial
+        if checkpoint is not None:
+            checkpoint(record(None, complete=False))
+
+    identical, bit_identical, divergences = greedy_audit(
+        standard, speculative, prompts[:greedy_prompts], audit.max_new_tokens, greedy_so_far
+    )
+    greedy_done = greedy_prompts
     if sampling.greedy:
         return record(None, complete=True)
     if checkpoint is not None:
@@ -385,6 +419,7 @@ def verdict(
     tolerance: float,
     sampling: dict | None,
     declared_lossless: bool,
+    unfinished: str | None = None,
 ) -> str:
     """One line a person can act on."""
     ties = sum(1 for d in divergences if d.logit_gap is not None and abs(d.logit_gap) <= tolerance)
@@ -393,14 +428,17 @@ def verdict(
         f"{ties} of them floating-point ties within {tolerance:g}), "
         f"bit-identical logits on {bit_identical:.0%}"
     ]
+    if unfinished:
+        parts.append(unfinished)
     if sampling is None:
-        parts.append("sampling test skipped (sampling.temperature=0)")
+        if not unfinished:
+            parts.append("sampling test skipped (sampling.temperature=0)")
     else:
         parts.append(
             f"sampling {sampling['method']} chi-square p={sampling['p_value']:.4g} "
             f"({sampling['pipeline_samples']} pipeline / {sampling['standard_samples']} standard samples)"
         )
-    head = "PASSED" if passed else "FAILED"
+    head = "INCOMPLETE" if unfinished else "PASSED" if passed else "FAILED"
     if not declared_lossless:
         head += " (verifier declared lossy)"
     return f"{head}: " + "; ".join(parts)

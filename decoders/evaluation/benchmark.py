@@ -38,7 +38,7 @@ from decoders.cli.config import (
     sampling_config,
 )
 from decoders.engine.pipeline import GenerationResult, Pipeline
-from decoders.evaluation.files import write_json
+from decoders.evaluation.files import check_writable, write_json
 from decoders.evaluation.metrics import Record, first_divergence, physical_limit, pipeline_entry
 from decoders.evaluation.peers import chosen_peers, make_peers
 from decoders.evaluation.plots import bench_plots
@@ -397,6 +397,10 @@ def results_payload(
 
 
 def run_benchmark(cfg: DictConfig) -> dict:
+    check_writable(Path(cfg.bench.output), "bench.output")  # before anything slow
+    for option in ("repeats", "max_new_tokens"):
+        if int(cfg.bench[option]) < 1:
+            raise ValueError(f"bench.{option}={cfg.bench[option]}: must be at least 1")
     load_plugins(cfg)
     model_cfg = model_config(cfg)
     sampling = sampling_config(cfg)
@@ -483,6 +487,8 @@ def run_benchmark(cfg: DictConfig) -> dict:
                         if contender.name == "standard" and turn == 0 and repeat == 0 and text is not None:
                             first_answers[prompt.id] = text
             payload = results_payload(cfg, base, contenders, records, number + 1, cost_curves)
+            payload["complete"] = number + 1 == len(prompts)  # false: an interrupted run's prompts so far
+            payload["prompts_planned"] = len(prompts)
             write_json(output, payload)
             shown = [e for e in payload["pipelines"] if e["kind"] != "standard"]
             labels = progress_labels([e["name"] for e in shown])

@@ -35,7 +35,6 @@ The command line is :mod:`decoders.replay`; :func:`run_replay` is what it runs.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,7 +50,7 @@ from decoders.engine.pipeline import Pipeline
 from decoders.engine.proposer import Proposer
 from decoders.engine.sampling import SamplingConfig
 from decoders.evaluation.benchmark import build_pipelines, turn_ids
-from decoders.evaluation.files import write_json
+from decoders.evaluation.files import read_results, write_json
 from decoders.evaluation.metrics import Record, pipeline_entry
 from decoders.evaluation.workloads import load_workload, workload_config
 from decoders.models.cost import CostCurve, pass_times, read_cost_curve
@@ -359,7 +358,12 @@ def run_replay(cfg: DictConfig) -> dict:
     results_file = run_dir / "results.json" if run_dir.is_dir() else run_dir
     if not results_file.exists():
         raise FileNotFoundError(f"no bench results at {results_file}; give run=outputs/bench/DATE_TIME")
-    run = json.loads(results_file.read_text())
+    run = read_results(results_file, "give run=outputs/bench/DATE_TIME")
+    if run.get("complete") is False:
+        raise ValueError(
+            f"{results_file} is partial ({run['prompts']} of {run.get('prompts_planned', '?')} prompts: the "
+            "bench was interrupted); replay a finished run"
+        )
     if run["temperature"] != 0.0:
         raise ValueError(
             f"the run sampled at temperature {run['temperature']}; only greedy runs can be replayed "

@@ -12,11 +12,11 @@ config. The command line is :mod:`decoders.report`.
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from decoders.evaluation.files import read_results
 from decoders.evaluation.plots import speedup_vs_parameter
 
 METRICS = (
@@ -48,9 +48,17 @@ def collect(directory: Path) -> list[tuple[Path, dict]]:
     runs = []
     for path in sorted(directory.rglob("results.json"), key=lambda p: [_natural(part) for part in p.parts]):
         try:
-            runs.append((path, json.loads(path.read_text())))
-        except (OSError, json.JSONDecodeError) as error:
-            print(f"[report] skipping {path}: {error}", file=sys.stderr)
+            payload = read_results(path, "skipped")
+        except ValueError as error:
+            print(f"[report] skipping {error}", file=sys.stderr)
+            continue
+        if payload.get("complete") is False:
+            print(
+                f"[report] {path} is partial ({payload.get('prompts')} of {payload.get('prompts_planned')} "
+                "prompts: the bench was interrupted); its rows are marked (partial)",
+                file=sys.stderr,
+            )
+        runs.append((path, payload))
     return runs
 
 
@@ -70,7 +78,8 @@ def report_rows(runs: list[tuple[Path, dict]], root: Path) -> tuple[list[dict], 
             proposer_options = (entry.get("info") or {}).get("proposer_config") or {}
             options = {**run_options, **{f"proposer.{k}": v for k, v in flatten(proposer_options).items()}}
             row = {
-                "run": str(path.parent.relative_to(root)) or ".",
+                "run": (str(path.parent.relative_to(root)) or ".")
+                + (" (partial)" if payload.get("complete") is False else ""),
                 "pipeline": entry["name"],
                 "kind": entry["kind"],
             }

@@ -64,6 +64,11 @@ def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
     path = Path(cfg.path) if cfg.path else SHIPPED_PROMPTS[cfg.name]
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"workload file {path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+            f"{error.start}); convert it (iconv -f latin1 -t utf-8) or pass another workload.path"
+        ) from None
     except OSError as error:
         raise FileNotFoundError(
             f"cannot read workload file {path}: {error.strerror}. Pass workload.path=FILE with a "
@@ -90,7 +95,10 @@ def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
     if cfg.categories:
         unknown = set(cfg.categories) - {p.category for p in prompts}
         if unknown:
-            raise ValueError(f"workload.categories {sorted(unknown)} not in {path}")
+            raise ValueError(
+                f"workload.categories {sorted(unknown)} not in {path}; its categories are "
+                f"{sorted({p.category for p in prompts})}"
+            )
         prompts = [p for p in prompts if p.category in cfg.categories]
     by_category: dict[str, list[Prompt]] = {}
     for prompt in prompts:

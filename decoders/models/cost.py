@@ -234,7 +234,10 @@ def read_cost_curve(path: str | Path) -> CostCurve:
     ``"context": {"length": {"n": extra seconds}}``, :attr:`CostCurve.context`)."""
     try:
         data = json.loads(Path(path).read_text())
-        return CostCurve({int(n): float(s) for n, s in data["seconds"].items()}, context=_context_of(data))
+        seconds = {int(n): float(s) for n, s in data["seconds"].items()}
+        if 1 not in seconds or any(s <= 0 for s in seconds.values()):
+            raise ValueError("it needs a positive time for a 1-token pass, and positive times only")
+        return CostCurve(seconds, context=_context_of(data))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(
             f"cannot read a cost curve from {path} ({error}); it must be JSON like "

@@ -74,7 +74,16 @@ def cache_dir() -> Path:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"model.device={device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"model.device={device}: this PyTorch ({torch.__version__}) sees no CUDA device; "
+            "use model.device=cpu (or auto)"
+        )
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -114,12 +123,34 @@ def load_model(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBa
                 f"model={cfg.name} needs model.name_or_path=DIRECTORY_OR_HUB_ID "
                 "(or use model=smollm2-135m / model=tiny-random)."
             )
-        tokenizer = AutoTokenizer.from_pretrained(path)
         kwargs: dict = {"dtype": dtype}
         if cfg.device_map:
             kwargs["device_map"] = cfg.device_map
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model, tokenizer = _from_pretrained(path, kwargs)
     return prepare_model(model, cfg), tokenizer
+
+
+def _from_pretrained(path: str, kwargs: dict) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """A causal LM and its tokenizer from a folder or hub id, or one line naming what is
+    missing (transformers' own errors run to dozens of lines, or suggest installing a
+    tokenizer library for a folder that simply holds no model)."""
+    local = Path(path).expanduser()
+    if not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise ValueError(f"{path}: no such folder; give a model folder (config.json and weights) or a hub id")
+    if local.is_dir() and not (local / "config.json").exists():
+        raise ValueError(
+            f"{path}: not a model folder (no config.json); give a folder saved by save_pretrained"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, ImportError) as error:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ValueError(
+            f"{path}: cannot load a causal LM and its tokenizer ({first}); give a folder holding "
+            "config.json, the weights and the tokenizer files, or a hub id reachable from here"
+        ) from None
+    return model, tokenizer
 
 
 def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
@@ -204,6 +235,9 @@ def smollm2_directory() -> Path:
     plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_dict), dtype=torch.float32)
     plain.load_state_dict(quantized.state_dict())
     tmp = Path(tempfile.mkdtemp(dir=target.parent if target.parent.exists() else None))
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)  # a folder like any of the user's, not mkdtemp's 0700
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     target.parent.mkdir(parents=True, exist_ok=True)

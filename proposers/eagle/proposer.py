@@ -17,6 +17,7 @@ import torch
 
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
+from decoders.engine.files import readable_artifact
 from decoders.engine.proposer import Proposer, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
@@ -64,7 +65,8 @@ class EagleProposer(Proposer):
                 f"no EAGLE drafter for target {context.target_key!r} at {directory}. Train it with "
                 f"`{context.train_command('eagle', config.path)}`."
             )
-        artifact = load_artifact(directory, context.target)
+        with readable_artifact(directory, context.train_command("eagle", config.path)):
+            artifact = load_artifact(directory, context.target)
         self.drafter = artifact.drafter
         if routes_narrow_linears(context.target):  # drafting passes are narrow passes too
             route_narrow_linears(self.drafter)

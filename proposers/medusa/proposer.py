@@ -47,6 +47,7 @@ import torch
 
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
+from decoders.engine.files import readable_artifact
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite, processed_probs, sample
@@ -240,9 +241,10 @@ class MedusaProposer(Proposer):
                 f"no Medusa heads for target {context.target_key!r} at {directory}. Train them with "
                 f"`{context.train_command('medusa', config.path)}`."
             )
-        artifact = load_artifact(
-            directory, context.target.get_output_embeddings(), context.target.get_input_embeddings()
-        )
+        with readable_artifact(directory, context.train_command("medusa", config.path)):
+            artifact = load_artifact(
+                directory, context.target.get_output_embeddings(), context.target.get_input_embeddings()
+            )
         self.heads = artifact.heads
         self.artifact = artifact_source(directory)
         if routes_narrow_linears(context.target):  # a dynamic tree's levels are narrow passes too
