@@ -176,3 +176,12 @@ def test_exact_auto_goes_off_where_the_check_fails(monkeypatch, capsys):
     model, _ = load_model(ModelConfig(name="tiny-random", dtype="bfloat16", exact="auto"))
     assert not exact_passes(model)
     assert "but verification rows NOT bit-identical" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "bloom", "opt"])
+def test_eagle_refuses_a_decoder_that_is_not_llama_style(model_type):
+    """EAGLE copies a decoder layer of the target and adapts its projections: on a decoder
+    without them it is refused in one line, before it asks for an artifact to be trained."""
+    base, _, _ = loaded(next(a for a in ARCHITECTURES if a.id == model_type))
+    with pytest.raises(UnsupportedArchitectureError, match="eagle needs a Llama-style decoder"):
+        base.with_components("eagle", "greedy")

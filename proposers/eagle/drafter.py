@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from decoders.models.architecture import UnsupportedArchitectureError
 from proposers.copy_attention import ContextMemory, CopyAttention
 from proposers.draft_model import DraftVocabulary
 
@@ -90,6 +91,32 @@ class LayerTap:
         raise RuntimeError("the target's latest pass did not run through its decoder: no layer features")
 
 
+LLAMA_STYLE = {
+    "decoder": ("layers", "norm"),
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def check_llama_style(target: nn.Module) -> None:
+    """EAGLE's draft layer is a copy of one of the target's decoder layers, adapted with LoRA
+    on its attention and MLP projections, and reads the target's layers' outputs: it needs a
+    Llama-style decoder. Others are refused in one line naming what is missing."""
+    decoder = target.get_decoder()
+    missing = [name for name in LLAMA_STYLE["decoder"] if not hasattr(decoder, name)]
+    if not missing:
+        layer = decoder.layers[0]
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        missing += [f"self_attn.{n}" for n in LLAMA_STYLE["attention"] if not hasattr(attention, n)]
+        missing += [f"mlp.{n}" for n in LLAMA_STYLE["mlp"] if not hasattr(mlp, n)]
+    if missing:
+        raise UnsupportedArchitectureError(
+            f"eagle needs a Llama-style decoder (decoder.layers and .norm, q/k/v/o and gate/up/down "
+            f"projections); {type(target).__name__}'s lacks {', '.join(missing[:4])}. Use draft_model, "
+            "ngram, suffix or medusa with it"
+        )
+
+
 class EagleDrafter(nn.Module):
     """The feature fusion, one decoder layer and the draft vocabulary's LM head.
 
@@ -121,6 +148,7 @@ class EagleDrafter(nn.Module):
         from transformers import AutoModel
 
         target_decoder = target.get_decoder()
+        check_llama_style(target)
         num_layers = len(target_decoder.layers)
         self.feature_layers = resolve_layers(feature_layers, num_layers)
         self.init_layer = init_layer if init_layer >= 0 else num_layers + init_layer

@@ -28,7 +28,7 @@ from decoders.sizing.draft_length import DraftLengthPolicy
 from decoders.sizing.dynamic_tree import DynamicTree
 from proposers.copy_attention import ContextMemory, drafting_log_probs
 from proposers.eagle.artifact import CONFIG_FILE, load_artifact
-from proposers.eagle.drafter import LayerTap, target_features
+from proposers.eagle.drafter import LayerTap, check_llama_style, target_features
 
 
 @register_proposer("eagle")
@@ -59,6 +59,7 @@ class EagleProposer(Proposer):
         super().__init__(config, context)
         if config.k < 1:
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
+        check_llama_style(context.target)  # before asking for an artifact it could never have
         directory = Path(config.path) if config.path else context.artifact_path("eagle")
         if not (directory / CONFIG_FILE).exists():
             raise FileNotFoundError(
