@@ -118,9 +118,12 @@ def test_audit_two_sample_test_on_a_tokenizer_model(tmp_path):
     assert audit["sampling"]["method"] == "two_sample"
     assert audit["pipeline_samples"] == audit["standard_samples"] == 100
     assert audit["sampling_p_value"] > 0.001 and audit["complete"] is True
-    # checkpoints: after the greedy test, then after each sampling prompt
-    assert [r["complete"] for r in partial_records] == [False, False, False]
-    assert [r["pipeline_samples"] for r in partial_records] == [0, 50, 100]
+    # checkpoints: after each greedy prompt but the last, after the greedy test, then after
+    # each sampling prompt; none of them passed
+    assert [r["complete"] for r in partial_records] == [False, False, False, False]
+    assert [r["passed"] for r in partial_records] == [False, False, False, False]
+    assert [r["greedy_prompts"] for r in partial_records] == [1, 2, 2, 2]
+    assert [r["pipeline_samples"] for r in partial_records] == [0, 0, 50, 100]
     json.dumps(audit)  # the record is JSON-serialisable as written
 
 
