@@ -155,20 +155,31 @@ def test_an_interrupted_audit_keeps_finished_prompts_and_never_passes(tmp_path, 
 # ------------------------------------------------------------------ checkpoints
 
 
-def test_a_run_with_other_settings_keeps_the_earlier_checkpoint(tmp_path):
+def linear_regression(rows_count: int):
+    """(rows, a logger that logs nothing, a linear module, its squared loss) for fit()."""
     import torch
 
     from tests.test_train import compose_train
-    from train import checkpoints
-    from train.loop import FitConfig, RunLogger, fit
+    from train.loop import RunLogger
 
-    rows = {"x": torch.randn(40, 3, dtype=torch.float64), "y": torch.randn(40, dtype=torch.float64)}
+    rows = {
+        "x": torch.randn(rows_count, 3, dtype=torch.float64),
+        "y": torch.randn(rows_count, dtype=torch.float64),
+    }
     logger = RunLogger(compose_train(["logger=disabled"]).logger, {}, "test")
     module = torch.nn.Linear(3, 1).double()
 
     def loss_fn(batch):
         return ((module(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean(), {}
 
+    return rows, logger, module, loss_fn
+
+
+def test_a_run_with_other_settings_keeps_the_earlier_checkpoint(tmp_path):
+    from train import checkpoints
+    from train.loop import FitConfig, fit
+
+    rows, logger, module, loss_fn = linear_regression(40)
     checkpoint = tmp_path / "checkpoint"
     fit(
         module,
@@ -195,19 +206,10 @@ def test_a_run_with_other_settings_keeps_the_earlier_checkpoint(tmp_path):
 
 
 def test_a_corrupted_checkpoint_is_one_line_naming_it(tmp_path):
-    import torch
-
-    from tests.test_train import compose_train
     from train import checkpoints
-    from train.loop import FitConfig, RunLogger, fit
+    from train.loop import FitConfig, fit
 
-    rows = {"x": torch.randn(16, 3, dtype=torch.float64), "y": torch.randn(16, dtype=torch.float64)}
-    logger = RunLogger(compose_train(["logger=disabled"]).logger, {}, "test")
-    module = torch.nn.Linear(3, 1).double()
-
-    def loss_fn(batch):
-        return ((module(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean(), {}
-
+    rows, logger, module, loss_fn = linear_regression(16)
     config = FitConfig(epochs=2, batch_size=8, checkpoint_every=1)
     checkpoint = tmp_path / "checkpoint"
     with pytest.raises(KeyboardInterrupt):
