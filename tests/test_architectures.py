@@ -185,3 +185,27 @@ def test_eagle_refuses_a_decoder_that_is_not_llama_style(model_type):
     base, _, _ = loaded(next(a for a in ARCHITECTURES if a.id == model_type))
     with pytest.raises(UnsupportedArchitectureError, match="eagle needs a Llama-style decoder"):
         base.with_components("eagle", "greedy")
+
+
+def test_tree_masks_apply_each_layer_types_window():
+    """A tree after 6 cached positions, nodes at the positions of their depth: a sliding
+    layer (window 3) sees keys less than 3 positions back, a chunked one (chunks of 4) keys
+    in the node's chunk, a full one every ancestor and the whole prefix."""
+    from decoders.models.architecture import AttentionPattern
+    from decoders.models.session import tree_attention_masks
+
+    parents = [-1, 0, 0, 1]  # positions 6, 7, 7, 8
+    patterns = [
+        AttentionPattern("full", None, "full_attention"),
+        AttentionPattern("sliding", 3, "sliding_attention"),
+        AttentionPattern("chunked", 4, "chunked_attention"),
+    ]
+    masks = tree_attention_masks(parents, 6, patterns, torch.float32, torch.device("cpu"))
+    allowed = {kind: (mask[0, 0] == 0) for kind, mask in masks.items()}  # (4 nodes, 6 + 4 keys)
+    # node 3 (position 8, ancestors 0 and 1 at positions 6 and 7)
+    assert allowed["full_attention"][3].tolist() == [True] * 6 + [True, True, False, True]
+    assert allowed["sliding_attention"][3].tolist() == [False] * 6 + [True, True, False, True]
+    chunk = allowed["chunked_attention"]
+    assert chunk[3].tolist() == [False] * 6 + [False, False, False, True]  # position 8 starts a chunk
+    assert chunk[1].tolist() == [False] * 4 + [True, True] + [True, True, False, False]  # 7: chunk 4-7
+    assert allowed["sliding_attention"][0].tolist() == [False] * 4 + [True, True] + [True, False, False, False]
