@@ -208,4 +208,9 @@ def test_tree_masks_apply_each_layer_types_window():
     chunk = allowed["chunked_attention"]
     assert chunk[3].tolist() == [False] * 6 + [False, False, False, True]  # position 8 starts a chunk
     assert chunk[1].tolist() == [False] * 4 + [True, True] + [True, True, False, False]  # 7: chunk 4-7
-    assert allowed["sliding_attention"][0].tolist() == [False] * 4 + [True, True] + [True, False, False, False]
+    assert allowed["sliding_attention"][0].tolist() == [False] * 4 + [True, True] + [
+        True,
+        False,
+        False,
+        False,
+    ]
