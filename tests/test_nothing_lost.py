@@ -328,3 +328,35 @@ def test_ship_refuses_a_folder_that_holds_no_drafter(tmp_path):
     with pytest.raises(SystemExit) as exit_:
         main([str(tmp_path)])
     assert exit_.value.code == 2
+
+
+def test_sigterm_is_said_and_kept_as_ctrl_c():
+    """SIGTERM (a scheduler's stop, `kill`) reaches a command as Ctrl-C does: its own
+    handler says what it kept, then it exits with status 130."""
+    import signal
+
+    from decoders.cli.errors import INTERRUPTED_STATUS, cli_errors
+
+    said = []
+
+    def task(cfg):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except KeyboardInterrupt:
+            said.append("interrupted: results so far kept")
+            raise
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli_errors(task)({})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exit_.value.code == INTERRUPTED_STATUS and said
+
+
+def test_eval_only_without_an_artifact_fails_before_generating_data(tmp_path):
+    done = command("train", "drafter=medusa", "model=tiny-random", "logger=disabled", "train.eval.only=true",
+                   f"artifacts_dir={tmp_path}", f"train.data_dir={tmp_path / 'data'}", cwd=tmp_path)  # fmt: skip
+    one_error_line(done, "train.eval.only=true, but there is no medusa artifact")
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("part_*"))
