@@ -98,9 +98,10 @@ class ModelSession:
         if parents is not None and any(p != i - 1 for i, p in enumerate(parents)):
             if self.tree_refusal:
                 raise UnsupportedArchitectureError(f"tree drafts: {self.tree_refusal}")
-            depths = torch.tensor(tree_depths(parents), dtype=torch.long)
-            key_positions = torch.cat([torch.arange(tree_start), depths + tree_start])  # (start + q,)
-            kwargs["position_ids"] = key_positions[start:].to(self.device).unsqueeze(0)  # (1, q)
+            new_depths = tree_depths(parents)[start - tree_start :]
+            kwargs["position_ids"] = (
+                torch.tensor(new_depths, dtype=torch.long, device=self.device) + tree_start
+            ).unsqueeze(0)  # (1, q)
             masks = tree_attention_masks(parents, tree_start, self.patterns, self.dtype, self.device)
             kwargs["attention_mask"] = {
                 kind: mask[:, :, start - tree_start :] for kind, mask in masks.items()
@@ -108,7 +109,7 @@ class ModelSession:
             if len(masks) == 1:  # one pattern in every layer: a plain 4-D mask (1, 1, q, start + q)
                 kwargs["attention_mask"] = next(iter(kwargs["attention_mask"].values()))
             if self.alibi:
-                outputs = self._alibi_tree_pass(key_positions.to(self.device), kwargs)
+                outputs = self._alibi_tree_pass(tree_positions(parents, tree_start).to(self.device), kwargs)
             else:
                 outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
         else:
@@ -178,16 +179,25 @@ def tree_attention_masks(
     """One additive mask (1, 1, q, prefix_len + q) per attention pattern among ``patterns``,
     keyed by transformers' layer type: :func:`tree_attention_mask`, narrowed for sliding and
     chunked layers to the keys their window lets each node see, positions counted by depth."""
-    depths = torch.tensor(tree_depths(parents), dtype=torch.long)
-    key_positions = torch.cat([torch.arange(prefix_len), depths + prefix_len])  # (prefix_len + q,)
-    query_positions = depths + prefix_len  # (q,)
     masks: dict[str, torch.Tensor] = {}
+    key_positions = None  # computed only for a pattern with a window
     for pattern in dict.fromkeys(patterns):
         if pattern.layer_type in masks:
             continue
-        window = pattern.allows(query_positions, key_positions)
+        window = None
+        if pattern.kind != "full":
+            if key_positions is None:
+                key_positions = tree_positions(parents, prefix_len)
+            window = pattern.allows(key_positions[prefix_len:], key_positions)
         masks[pattern.layer_type] = tree_attention_mask(parents, prefix_len, dtype, device, window)
     return masks
+
+
+def tree_positions(parents: list[int], prefix_len: int) -> torch.Tensor:
+    """(prefix_len + q,) the position of every key: the prefix's by index, a tree entry's
+    the position of its depth after the prefix."""
+    depths = torch.tensor(tree_depths(parents), dtype=torch.long)
+    return torch.cat([torch.arange(prefix_len), depths + prefix_len])
 
 
 def tree_attention_mask(
