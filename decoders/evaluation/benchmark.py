@@ -39,7 +39,13 @@ from decoders.cli.config import (
 )
 from decoders.engine.pipeline import GenerationResult, Pipeline
 from decoders.evaluation.files import check_writable, write_json
-from decoders.evaluation.metrics import Record, first_divergence, physical_limit, pipeline_entry
+from decoders.evaluation.metrics import (
+    Record,
+    control_entry,
+    first_divergence,
+    physical_limit,
+    pipeline_entry,
+)
 from decoders.evaluation.peers import chosen_peers, make_peers
 from decoders.evaluation.plots import bench_plots
 from decoders.evaluation.tracking import log_benchmark
@@ -367,7 +373,7 @@ def results_payload(
             entry["records"].append(row)
         pipelines.append(entry)
     curves = {name: curve.as_json() for name, curve in cost_curves.items()}
-    twin = next((e for e in pipelines if e["kind"] == "control"), None)
+    twin = control_entry(pipelines)
     aa = None
     if twin is not None:
         within = aa_within(twin["speedup"])
@@ -563,7 +569,7 @@ def aa_verdict(payload: dict) -> str | None:
     """One line on the A/A twin's overall speedup: within ±3% of 1.0x the run's figures
     stand on it; outside, a ``warning:`` that they cannot (standard decoding against itself,
     in step, moved that far by noise or bias alone). None without a twin."""
-    twin = next((e for e in payload["pipelines"] if e["kind"] == "control"), None)
+    twin = control_entry(payload["pipelines"])
     if twin is None or not twin.get("tokens_per_s"):
         return None
     speedup = twin["speedup"]
@@ -583,7 +589,7 @@ def slower_categories(payload: dict) -> list[str]:
     noise alone makes standard decoding against itself). No lines when there are no
     categories or none is below 1.0x."""
     entries = [e for e in payload["pipelines"] if e["kind"] != "standard" and e.get("categories")]
-    twin = next((e for e in entries if e["kind"] == "control"), None)
+    twin = control_entry(entries)
     band = None  # as shown: figures are compared at the two decimals they are printed with
     if twin is not None:
         band = round(max(abs(1.0 - c["speedup"]) for c in twin["categories"].values()), 2)

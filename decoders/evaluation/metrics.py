@@ -234,3 +234,8 @@ def identical_share(records: list[Record], baseline: list[Record]) -> float | No
     if not pairs:
         return None
     return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def control_entry(entries: list[dict]) -> dict | None:
+    """The run's A/A twin (kind ``control``) among its pipeline entries, if it has one."""
+    return next((e for e in entries if e["kind"] == "control"), None)

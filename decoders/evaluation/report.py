@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from decoders.evaluation.files import read_results
+from decoders.evaluation.metrics import control_entry
 from decoders.evaluation.plots import speedup_vs_parameter
 
 METRICS = (
@@ -71,7 +72,7 @@ def report_rows(runs: list[tuple[Path, dict]], root: Path) -> tuple[list[dict], 
             for key, value in flatten(payload.get("config") or {}).items()
             if not key.startswith(IGNORED_PREFIXES) and not key.startswith("proposer")
         }
-        control = next((e for e in payload["pipelines"] if e["kind"] == "control"), None)
+        control = control_entry(payload["pipelines"])
         for entry in payload["pipelines"]:
             if entry["kind"] in ("standard", "control"):
                 continue
