@@ -14,8 +14,16 @@ from decoders.engine.registry import import_plugins_from_argv
 
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
-from decoders.cli.config import CONF_DIR, component, load_plugins, model_config, sampling_config  # noqa: E402
+from decoders.cli.config import (  # noqa: E402
+    CONF_DIR,
+    component,
+    constraint_config,
+    load_plugins,
+    model_config,
+    sampling_config,
+)
 from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
+from decoders.engine.constraint import grammar_source  # noqa: E402
 from decoders.engine.pipeline import Pipeline  # noqa: E402
 
 
@@ -50,6 +58,9 @@ def stop_strings(setting) -> list[str]:
 @cli_errors
 def main(cfg: DictConfig) -> None:
     load_plugins(cfg)
+    constraint = constraint_config(cfg)
+    if constraint is not None:
+        grammar_source(constraint)  # a schema, regex or grammar that does not compile: before the model loads
     pipeline = Pipeline.load(
         model_config(cfg),
         component(cfg, "proposer"),
@@ -61,9 +72,18 @@ def main(cfg: DictConfig) -> None:
         chat_template=cfg.chat_template,
         round_gate=bool(cfg.get("round_gate", False)),
     )
-    result = pipeline.generate(cfg.prompt, on_text=lambda text: print(text, end="", flush=True))
+    if constraint is not None:
+        constraint = pipeline.constraint(constraint)
+    result = pipeline.generate(
+        cfg.prompt, on_text=lambda text: print(text, end="", flush=True), constraint=constraint
+    )
     print(f"\n\n[{pipeline.name}]", file=sys.stderr)
     print(format_stats(result.stats), file=sys.stderr)
+    if constraint is not None:
+        verdict = (
+            "complete" if result.stats.constraint_complete else "INCOMPLETE (max_new_tokens ran out first)"
+        )
+        print(f"constraint          {constraint.description}: {verdict}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
 from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Proposer, draft_token
+from decoders.engine.proposer import Proposer, constrained_rows, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
 from decoders.models.loading import (
@@ -192,16 +192,20 @@ class DraftModelProposer(Proposer):
             fed = len(self._fed_parents)  # the chain's first nodes, each fed for the next
             self._fed_of_node = [node if node < fed else None for node in range(len(draft))]
             return draft
-        return self._draft_tree(logits)
+        return self._draft_tree(logits, state)
 
     def _draft_chain(self, logits: torch.Tensor, state) -> Draft:
         """k tokens, each fed back for the next; sampled from the processed draft
         distribution when sampling."""
         draft_tokens: list[int] = []
         draft_rows: list[torch.Tensor] = []
+        token_ids = None if self.vocabulary is None else self.vocabulary.token_ids
         for i in range(self.config.k):
             check_finite(logits, "draft model's forward pass")
-            index, probs, confidence = draft_token(logits, state, self.config.min_confidence > 0)
+            allowed = constrained_rows(state, draft_tokens, token_ids)  # None without a constraint
+            if allowed is not None and not bool(allowed.any()):
+                break
+            index, probs, confidence = draft_token(logits, state, self.config.min_confidence > 0, allowed)
             if confidence < self.config.min_confidence:
                 break
             token = self._token_ids([index])[0]
@@ -214,7 +218,7 @@ class DraftModelProposer(Proposer):
         draft_probs = torch.stack(draft_rows) if draft_rows else None  # (k, vocab)
         return Draft.chain(draft_tokens, draft_probs)
 
-    def _draft_tree(self, root_logits: torch.Tensor) -> Draft:
+    def _draft_tree(self, root_logits: torch.Tensor, state) -> Draft:
         """A dynamic tree (deterministic): each level's frontier is fed to the draft as
         one more level of a tree in its cache."""
         tree_start = len(self.session)  # the tree's entries follow the pending token
@@ -227,7 +231,14 @@ class DraftModelProposer(Proposer):
             tokens = self._token_ids([rows[node] for node in frontier])
             return self.session.forward(tokens, self._fed_parents, tree_start=tree_start)  # (f, n)
 
-        tree = self.tree.build(root_logits, expand, "draft model's forward pass")
+        token_ids = None if self.vocabulary is None else self.vocabulary.token_ids
+        allowed = None
+        if state.grammar is not None:  # under a constraint: children among the allowed tokens only
+
+            def allowed(path: list[int]) -> torch.Tensor:
+                return constrained_rows(state, self._token_ids(path), token_ids)
+
+        tree = self.tree.build(root_logits, expand, "draft model's forward pass", allowed)
         self._fed_of_node = [offset_of.get(candidate) for candidate in tree.origin[1]]
         return Draft(self._token_ids(tree.tokens), tree.parents, values=tree.values)  # rows -> token ids
 

@@ -49,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
 from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Proposer, draft_token
+from decoders.engine.proposer import Proposer, constrained_rows, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
 from decoders.models.layered import LayeredDecoder, check_layered_equivalence
@@ -280,7 +280,10 @@ class EarlyExitProposer(Proposer):
             exit_rows.append(layered.run(layered.embed(inputs[-1:]), 0, self.exit_layer))  # (1, hidden)
             logits = self.exit_head(exit_rows[-1][0])  # (vocab,)
             check_finite(logits, "early exit's draft pass")
-            token, probs, confidence = draft_token(logits, state, self.config.min_confidence > 0)
+            allowed = constrained_rows(state, draft_tokens)  # None without a constraint
+            if allowed is not None and not bool(allowed.any()):
+                break
+            token, probs, confidence = draft_token(logits, state, self.config.min_confidence > 0, allowed)
             if confidence < self.config.min_confidence:
                 self._cut = True
                 break

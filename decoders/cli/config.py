@@ -3,7 +3,7 @@
 Every entry point (generate, bench, audit, train) composes a config from
 ``conf/`` and the structured configs in Hydra's ConfigStore, then calls these
 helpers. Where a dataclass holds a section's options (``ModelConfig``, ``SamplingConfig``,
-``WorkloadConfig``, ``AuditConfig``, the proposers', verifiers' and drafters'
+``WorkloadConfig``, ``AuditConfig``, ``ConstraintConfig``, the proposers', verifiers' and drafters'
 ``Config``), it is stored as that section's structured config
 (:func:`store_schema`) and holds the only defaults: the YAML files hold
 overrides, and Hydra checks every key and type while composing. The module
@@ -21,6 +21,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from decoders.engine.constraint import ConstraintConfig
 from decoders.engine.registry import import_plugins, load_builtins
 from decoders.engine.sampling import SamplingConfig
 from decoders.models.loading import ModelConfig
@@ -63,6 +64,7 @@ def store_schema(group: str, name: str, node: type, package: str | None = None) 
 
 store_schema("sampling", "default", SamplingConfig)
 store_schema("model", "base", ModelConfig)  # conf/model/*.yaml extend it
+store_schema("constraint", "default", ConstraintConfig)  # none of the three: unconstrained
 
 
 def model_config(cfg: DictConfig) -> ModelConfig:
@@ -71,6 +73,15 @@ def model_config(cfg: DictConfig) -> ModelConfig:
 
 def sampling_config(cfg: DictConfig) -> SamplingConfig:
     return to_dataclass(SamplingConfig, cfg.sampling, "sampling")
+
+
+def constraint_config(cfg: DictConfig) -> ConstraintConfig | None:
+    """The ``constraint`` section, or None where it names no schema, regex or grammar."""
+    node = cfg.get("constraint")
+    if node is None:
+        return None
+    config = to_dataclass(ConstraintConfig, node, "constraint")
+    return config if config.kind is not None else None
 
 
 def component(cfg: DictConfig, key: str) -> dict | None:

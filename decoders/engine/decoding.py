@@ -9,6 +9,10 @@
         proposer.observe(state, round)    the proposer's own draft, its accepted path in
                                           the draft's numbering, draft and verify seconds
 
+Under a constraint (:mod:`decoders.engine.constraint`) the draft is cut where the
+grammar rejects it and extended by the tokens it forces, and every row of the pass is
+masked with the grammar's state there before the verifier reads it.
+
 With no proposer every round verifies an empty draft, i.e. emits one target
 token per pass: that is standard decoding, the baseline. With a round gate
 (:mod:`decoders.sizing.round_gate`) a round may skip drafting where earlier rounds
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from decoders.engine.constraint import GrammarState
 from decoders.engine.draft import Acceptance, Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import build, verifier_registry
@@ -68,6 +73,10 @@ class GenerationStats:
     gated_rounds: int = 0  # rounds the round gate kept plain (no drafting)
     draft_sizes: list[int] = field(default_factory=list)  # per round
     emitted_per_round: list[int] = field(default_factory=list)
+    # under a constraint: whether the output is a complete sentence of the grammar (None: none)
+    constraint_complete: bool | None = None
+    grammar_time: float = 0.0  # of the above, seconds llguidance spent computing masks
+    grammar_masks: int = 0  # masks it computed (one per row of a pass, one per pruned parent)
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -97,6 +106,7 @@ class GenerationStats:
             "observe_time": self.observe_time,
             "verify_time": self.verify_time,
             "wall_time": self.wall_time,
+            "constraint_complete": self.constraint_complete,
         }
 
 
@@ -160,10 +170,11 @@ def decode(
     verifier: Verifier | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     gate: RoundGate | None = None,
+    grammar: GrammarState | None = None,
 ) -> GenerationOutput:
     """Generate after ``prompt_ids``: standard decoding without a proposer, else speculative
-    (every round drafted, or as ``gate`` decides)."""
-    decoding = Decoding(target, prompt_ids, stop, sampling, proposer, verifier, on_tokens, gate)
+    (every round drafted, or as ``gate`` decides); under ``grammar``'s constraint if given."""
+    decoding = Decoding(target, prompt_ids, stop, sampling, proposer, verifier, on_tokens, gate, grammar)
     while not decoding.done:
         decoding.step()
     return decoding.output()
@@ -189,6 +200,7 @@ class Decoding:
         verifier: Verifier | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
         gate: RoundGate | None = None,
+        grammar: GrammarState | None = None,
     ) -> None:
         if proposer is not None and verifier is None:
             raise ValueError("a proposer needs a verifier")
@@ -205,6 +217,7 @@ class Decoding:
             )
         self.target, self.stop, self.sampling = target, stop, sampling
         self.proposer, self.verifier, self.on_tokens = proposer, verifier, on_tokens
+        self.grammar = grammar
         if gate is not None and proposer is not None and proposer.drafts_in_target:
             raise ValueError(
                 f"proposer {proposer.name!r} drafts inside the target and sizes its drafts itself; "
@@ -219,9 +232,13 @@ class Decoding:
         target.reset()
         logits = target.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
         check_finite(logits, "prefill")
+        if grammar is not None:
+            logits = grammar.constrain(Draft.empty(), logits[None])[0]
         first = next_token(logits, sampling, self.generator)
         self.stats.prefill_time = time.perf_counter() - start
         self.tokens, self.done = stop.cut([], [first])  # the generated tokens (prompt excluded)
+        if grammar is not None:
+            grammar.advance(self.tokens)
         if on_tokens:
             on_tokens(self.tokens)
         self.state = DecodeState(
@@ -230,6 +247,8 @@ class Decoding:
         if proposer is not None:
             if proposer.drafts_in_target:
                 self.state.session = target
+        self.state.grammar = grammar
+        if proposer is not None:
             proposer.begin(self.state)
             if self.gate is not None:
                 self.gate.begin()
@@ -265,12 +284,16 @@ class Decoding:
                 proposer.skip(state)
                 stats.gated_rounds += 1
             proposed = Draft.empty()
+        draft = proposed
+        if self.grammar is not None and drafting:  # no node the grammar rejects; its forced tokens added
+            draft = self.grammar.prune(draft)
+            draft = self.grammar.extend_forced(draft, self.grammar.constraint.forced_per_leaf)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
         budget = self.stop.max_new_tokens - len(output)
-        proposed_in_budget = proposed.truncated(budget - 1)
+        draft = draft.truncated(budget - 1)
         if self.widest is not None:
-            proposed_in_budget = proposed_in_budget.limited(self.widest - 1)
-        draft = verifier.prepare(proposed_in_budget)
+            draft = draft.limited(self.widest - 1)
+        draft = verifier.prepare(draft)
         tock = time.perf_counter()
 
         block_start = len(target)
@@ -281,6 +304,8 @@ class Decoding:
         else:  # the proposer may reuse work done while drafting (default: target.forward)
             target_logits = proposer.verify_forward(target, block, parents)
         check_finite(target_logits, "target's verification pass")
+        if self.grammar is not None:  # the constrained target: forbidden tokens at -inf, row by row
+            target_logits = self.grammar.constrain(draft, target_logits)
         acceptance: Acceptance = verifier.verify(draft, target_logits, self.sampling, self.generator)
         state.committed_rows = [0] + [node + 1 for node in acceptance.path]
         target.keep(block_start, state.committed_rows)
@@ -291,6 +316,8 @@ class Decoding:
         new, self.done = self.stop.cut(output, acceptance.tokens)
         output.extend(new)
         state.tokens.extend(new)
+        if self.grammar is not None:
+            self.grammar.advance(new)
         stats.target_passes += 1
         stats.proposed += len(draft)
         stats.accepted += acceptance.num_accepted
@@ -327,6 +354,10 @@ class Decoding:
             self.stats.wall_time += time.perf_counter() - start
         self.finished = True
         self.stats.new_tokens = len(self.tokens)
+        if self.grammar is not None:
+            self.stats.constraint_complete = self.grammar.complete
+            self.stats.grammar_time = self.grammar.mask_seconds
+            self.stats.grammar_masks = self.grammar.masks_computed
         return GenerationOutput(self.tokens, self.stats)
 
 

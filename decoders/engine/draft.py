@@ -49,7 +49,8 @@ class Draft:
     extras: dict = field(default_factory=dict)
     values: list[float] | None = None
     # set by :meth:`select`: (the draft this one was selected from, its node of each of ours)
-    origin: tuple[Draft, list[int]] | None = field(default=None, repr=False, compare=False)
+    # (None for a node the engine added, such as a grammar's forced token)
+    origin: tuple[Draft, list[int | None]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -123,7 +124,7 @@ class Draft:
         draft = self
         while draft is not ancestor and draft.origin is not None:
             draft, index = draft.origin
-            nodes = [index[i] for i in nodes]
+            nodes = [None if i is None else index[i] for i in nodes]
         if draft is ancestor:
             return nodes
         matched: list[int | None] = []

@@ -5,7 +5,10 @@
     result = pipe.generate("Summarize: ...", max_new_tokens=64)
     print(result.text, result.stats.mean_accepted_tokens)
 
-Without a proposer, a pipeline decodes normally (the standard baseline).
+Without a proposer, a pipeline decodes normally (the standard baseline). Any pipeline
+takes a constraint per request (decoders/engine/constraint.py):
+
+    result = pipe.generate("Extract ...", constraint={"json_schema": schema})
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from decoders.engine.constraint import Constraint, ConstraintConfig, GrammarVocabulary
 from decoders.engine.context import PipelineContext
 from decoders.engine.decoding import Decoding, GenerationStats, RoundGate, StopConditions, default_verifier
 from decoders.engine.proposer import Proposer
@@ -30,6 +34,7 @@ from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
 
 ComponentSpec = str | dict | Any  # a registered name, a config mapping (with `name`), or an instance
+ConstraintSpec = Constraint | ConstraintConfig | dict  # {"json_schema" | "regex" | "grammar": ...}
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Pipeline:
         gated = self.round_gate and self.proposer is not None and not self.proposer.drafts_in_target
         self.gate: RoundGate | None = round_gate_class()(self.context.cost_curve) if gated else None
         self.label: str | None = None  # a name for results tables (default proposer+verifier)
+        self._grammar_vocabulary: GrammarVocabulary | None = None  # built on the first constraint
 
     # ------------------------------------------------------------------ building
 
@@ -175,13 +181,16 @@ class Pipeline:
         seed: int | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
         on_text: Callable[[str], None] | None = None,
+        constraint: ConstraintSpec | None = None,
     ) -> GenerationResult:
         """Generate a continuation. ``on_tokens`` gets each round's new token ids,
-        ``on_text`` the new text, as they are produced."""
+        ``on_text`` the new text, as they are produced; ``constraint`` (a
+        :class:`Constraint` or ``{"json_schema" | "regex" | "grammar": ...}``) restricts
+        the output to a grammar's sentences."""
         callback = on_tokens
         if on_text is not None:
             callback = self._text_streamer(on_text, on_tokens)
-        decoding = self.start(prompt, max_new_tokens, seed=seed, on_tokens=callback)
+        decoding = self.start(prompt, max_new_tokens, seed=seed, on_tokens=callback, constraint=constraint)
         while not decoding.done:
             decoding.step()
         return self.result(decoding)
@@ -193,6 +202,7 @@ class Pipeline:
         *,
         seed: int | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        constraint: ConstraintSpec | None = None,
     ) -> Decoding:
         """A request decoded a round at a time: prefilled, then ``step()`` it until
         ``done`` and pass it to :meth:`result`. Requests of different pipelines can be
@@ -203,9 +213,28 @@ class Pipeline:
         stop = StopConditions(
             max_new_tokens or self.max_new_tokens, self.eos_token_ids(), self.stop_strings, self.tokenizer
         )
+        grammar = self.constraint(constraint).start() if constraint is not None else None
         return Decoding(
-            self.session, prompt_ids, stop, sampling, self.proposer, self.verifier, on_tokens, self.gate
+            self.session,
+            prompt_ids,
+            stop,
+            sampling,
+            self.proposer,
+            self.verifier,
+            on_tokens,
+            self.gate,
+            grammar,
         )
+
+    def constraint(self, spec: ConstraintSpec) -> Constraint:
+        """``spec`` compiled for this pipeline's tokenizer (a Constraint passes through);
+        a schema, regex or grammar that does not compile raises a ConstraintError."""
+        if isinstance(spec, Constraint):
+            return spec
+        if self._grammar_vocabulary is None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self._grammar_vocabulary = GrammarVocabulary(self.tokenizer, vocab, sorted(self.eos_token_ids()))
+        return self._grammar_vocabulary.compile(spec)
 
     def result(self, decoding: Decoding) -> GenerationResult:
         """The finished request of :meth:`start` as text, tokens and stats."""

@@ -118,8 +118,22 @@ class Proposer:
         return {}
 
 
+def constrained_rows(
+    state: DecodeState, path: list[int], token_ids: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Under the request's constraint, the (drafter vocab,) bool mask of the tokens its grammar
+    allows after the output plus ``path`` (the tokens drafted so far), for a drafter to draw
+    from its constrained, renormalised distribution (:func:`draft_token`'s ``allowed``), so
+    that its q is the distribution the kept token was drawn from; None without a constraint.
+    ``token_ids``: the drafter's row -> token id, for a drafter over part of the vocabulary."""
+    if state.grammar is None:
+        return None
+    allowed = state.grammar.allowed_after(tuple(path))  # (vocab,)
+    return allowed if token_ids is None else allowed[token_ids.to(allowed.device)]
+
+
 def draft_token(
-    logits: torch.Tensor, state: DecodeState, with_confidence: bool
+    logits: torch.Tensor, state: DecodeState, with_confidence: bool, allowed: torch.Tensor | None = None
 ) -> tuple[int, torch.Tensor | None, float]:
     """One autoregressive draft step from the drafter's ``logits`` (vocab,):
     (token index, its processed distribution q when sampling else None, confidence).
@@ -132,7 +146,12 @@ def draft_token(
     which token was drawn would leave the drafted tokens distributed as q
     restricted to the confident ones, and acceptance with min(1, p/q) would then
     no longer give p. A stop that depends only on q keeps sampling lossless.
+
+    ``allowed`` (vocab,) bool: draw only among these tokens (a constraint's,
+    :func:`constrained_rows`); the caller stops drafting where none is allowed.
     """
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if state.sampling.greedy:
         token = int(logits.argmax())
         confidence = float(torch.softmax(logits.float(), -1).max()) if with_confidence else 1.0

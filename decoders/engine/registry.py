@@ -205,6 +205,7 @@ BUILTIN_PROPOSERS = {
     "draft_model": "proposers.draft_model:DraftModelProposer",
     "eagle": "proposers.eagle.proposer:EagleProposer",
     "early_exit": "proposers.early_exit:EarlyExitProposer",
+    "grammar": "proposers.grammar:GrammarProposer",
     "medusa": "proposers.medusa.proposer:MedusaProposer",
     "merge": "proposers.merge:MergeProposer",
     "ngram": "proposers.ngram:NgramProposer",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decoders.engine.constraint import GrammarState
 from decoders.engine.sampling import SamplingConfig
 from decoders.models.session import ModelSession
 
@@ -35,6 +36,9 @@ class DecodeState:
     committed_rows: list[int] | None = None
     # the target's session, given only to a proposer that drafts in it (drafts_in_target)
     session: ModelSession | None = None
+    # the request's constraint, where it has one: its state after the output so far
+    # (``grammar.forced()`` is what the grammar forces next; the ``grammar`` proposer drafts it)
+    grammar: GrammarState | None = None
 
     @property
     def last_hidden(self) -> torch.Tensor:

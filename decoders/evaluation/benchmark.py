@@ -33,10 +33,12 @@ from tqdm import tqdm
 
 from decoders.cli.config import (
     component,
+    constraint_config,
     load_plugins,
     model_config,
     sampling_config,
 )
+from decoders.engine.constraint import Constraint, ConstraintConfig
 from decoders.engine.pipeline import GenerationResult, Pipeline
 from decoders.evaluation.files import check_writable, write_json
 from decoders.evaluation.metrics import (
@@ -49,6 +51,7 @@ from decoders.evaluation.metrics import (
 from decoders.evaluation.peers import chosen_peers, make_peers
 from decoders.evaluation.plots import bench_plots
 from decoders.evaluation.tracking import log_benchmark
+from decoders.evaluation.validity import output_valid
 from decoders.evaluation.workloads import Prompt, load_workload, workload_config
 from decoders.models.cost import CostCurve, cached_cost_curve, pass_times
 from decoders.models.kernels import configure_passes, exact_passes, routes_narrow_linears
@@ -67,22 +70,24 @@ class Contender:
     kind: str  # standard | speculative | peer
     proposer: str | None
     verifier: str | None
-    run: Callable[[list[int], int], Record]
+    run: Callable[[list[int], int, Constraint | None], Record]  # (prompt ids, max_new_tokens, constraint)
     lossless: bool = True
     # what the pipeline reports about itself, asked when results are written (after the
     # prompts run), so it holds what the proposer measured: acceptance profiles, budgets
     describe: Callable[[], dict] | None = None
     baseline: str = "standard"  # the contender its speedup and identical_outputs are measured against
     # the request started, to be decoded a round at a time (None: run() only)
-    start: Callable[[list[int], int], Stepping] | None = None
+    start: Callable[[list[int], int, Constraint | None], Stepping] | None = None
 
 
 class Stepping:
     """One pipeline's request decoded a round at a time, alongside others'."""
 
-    def __init__(self, pipeline: Pipeline, prompt_ids: list[int], max_new_tokens: int) -> None:
+    def __init__(
+        self, pipeline: Pipeline, prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None
+    ) -> None:
         self.pipeline = pipeline
-        self.decoding = pipeline.start(prompt_ids, max_new_tokens)
+        self.decoding = pipeline.start(prompt_ids, max_new_tokens, constraint=constraint)
 
     @property
     def done(self) -> bool:
@@ -124,18 +129,23 @@ def in_step(steppings: list[Callable[[], Stepping]], seed: int = 0) -> list[Reco
 
 
 def run_prompt(
-    contenders: list[Contender], prompt_ids: list[int], max_new_tokens: int, rounds: bool, seed: int = 0
+    contenders: list[Contender],
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    rounds: bool,
+    seed: int = 0,
+    constraint: Constraint | None = None,
 ) -> dict:
-    """Every contender on one prompt, in this order: {name: Record}. With ``rounds`` those
-    that can be stepped run in step (:func:`in_step`, ``seed`` passed on), at the place of
-    the first of them."""
+    """Every contender on one prompt (under ``constraint`` if given), in this order:
+    {name: Record}. With ``rounds`` those that can be stepped run in step (:func:`in_step`,
+    ``seed`` passed on), at the place of the first of them."""
     together = [c for c in contenders if c.start is not None] if rounds else []
     records: dict[str, Record] = {}
     for contender in contenders:
         if contender not in together:
-            records[contender.name] = contender.run(prompt_ids, max_new_tokens)
+            records[contender.name] = contender.run(prompt_ids, max_new_tokens, constraint)
         elif contender is together[0]:
-            starts = [lambda c=c: c.start(prompt_ids, max_new_tokens) for c in together]
+            starts = [lambda c=c: c.start(prompt_ids, max_new_tokens, constraint) for c in together]
             records.update(zip((c.name for c in together), in_step(starts, seed)))
     return records
 
@@ -146,10 +156,10 @@ def exact_off_twin(contender: Contender, target) -> Contender:
     decoding with exact mode off."""
     narrow = routes_narrow_linears(target)
 
-    def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
+    def run(prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None = None) -> Record:
         configure_passes(target, narrow, exact=False)
         try:
-            return contender.run(prompt_ids, max_new_tokens)
+            return contender.run(prompt_ids, max_new_tokens, constraint)
         finally:
             configure_passes(target, narrow, exact=True)
 
@@ -166,7 +176,9 @@ def generation_record(result: GenerationResult) -> Record:
         "", "", 0, 0, s.new_tokens, s.wall_time, result.tokens,
         s.target_passes, s.proposed, s.accepted, s.draft_time, s.verify_time, s.emitted_per_round,
         observe_time=s.observe_time, draft_sizes=s.draft_sizes, prefill_time=s.prefill_time,
-        gated_rounds=s.gated_rounds,
+        gated_rounds=s.gated_rounds, constraint_complete=s.constraint_complete,
+        grammar_time=s.grammar_time if s.constraint_complete is not None else None,
+        grammar_masks=s.grammar_masks if s.constraint_complete is not None else None,
     )  # fmt: skip
 
 
@@ -174,11 +186,11 @@ def pipeline_contender(pipeline: Pipeline, name: str = "standard", kind: str = "
     """A pipeline as a contender; without a proposer it is standard decoding under
     ``name`` and ``kind`` (``control`` for the A/A twin)."""
 
-    def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
-        return generation_record(pipeline.generate(prompt_ids, max_new_tokens))
+    def run(prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None = None) -> Record:
+        return generation_record(pipeline.generate(prompt_ids, max_new_tokens, constraint=constraint))
 
-    def start(prompt_ids: list[int], max_new_tokens: int) -> Stepping:
-        return Stepping(pipeline, prompt_ids, max_new_tokens)
+    def start(prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None = None) -> Stepping:
+        return Stepping(pipeline, prompt_ids, max_new_tokens, constraint)
 
     if pipeline.proposer is None:
         return Contender(name, kind, None, None, run, start=start)
@@ -199,9 +211,9 @@ def pipeline_contender(pipeline: Pipeline, name: str = "standard", kind: str = "
 
 
 def peer_contender(peer) -> Contender:
-    def run(prompt_ids: list[int], max_new_tokens: int) -> Record:
-        tokens, elapsed = peer.run(prompt_ids, max_new_tokens)
-        return Record("", "", 0, 0, len(tokens), elapsed, tokens)
+    def run(prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None = None) -> Record:
+        tokens, elapsed, complete = peer.run(prompt_ids, max_new_tokens, constraint)
+        return Record("", "", 0, 0, len(tokens), elapsed, tokens, constraint_complete=complete)
 
     return Contender(peer.name, "peer", None, None, run)
 
@@ -453,10 +465,11 @@ def run_benchmark(cfg: DictConfig) -> dict:
     if any(c.baseline != "standard" for c in contenders):
         cost_curves[f"standard{EXACT_OFF}"] = exact_off_cost_curve(cfg, base, output)
 
+    constraints = prompt_constraints(cfg, base, prompts)  # compiled before anything runs
     warm_ids = base.encode(prompts[0].turns[0])
     for contender in tqdm(contenders, desc="warm-up", leave=False):
         for _ in range(max(cfg.bench.warmup, 0)):
-            contender.run(warm_ids, min(max_new, 32))
+            contender.run(warm_ids, min(max_new, 32), constraints[0][1] if constraints[0] else None)
     for pipeline in pipelines:  # the warm-up prompt must not sit in a proposer's memory
         if pipeline.proposer is not None:
             pipeline.proposer.forget()
@@ -475,7 +488,10 @@ def run_benchmark(cfg: DictConfig) -> dict:
                     shift = (number + repeat) % len(contenders)
                     order = contenders[shift:] + contenders[:shift]
                     seed = (number * len(prompt.turns) + turn) * cfg.bench.repeats + repeat  # tie order
-                    measured = run_prompt(order, prompt_ids, max_new, interleave == "rounds", seed)
+                    spec, constraint = constraints[number] or (None, None)
+                    measured = run_prompt(
+                        order, prompt_ids, max_new, interleave == "rounds", seed, constraint
+                    )
                     for contender in order:
                         record = measured[contender.name]
                         text = (
@@ -488,6 +504,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
                             turn=turn,
                             repeat=repeat,
                             text=text,
+                            valid=None
+                            if spec is None
+                            else output_valid(text or "", record.tokens, spec, constraint),
                         )
                         records[contender.name].append(record)
                         if contender.name == "standard" and turn == 0 and repeat == 0 and text is not None:
@@ -507,6 +526,35 @@ def run_benchmark(cfg: DictConfig) -> dict:
         print(f"\n[bench] interrupted: {kept}", file=sys.stderr)
         raise
     return payload
+
+
+def prompt_constraints(
+    cfg: DictConfig, base: Pipeline, prompts: list[Prompt]
+) -> list[tuple[ConstraintConfig, Constraint] | None]:
+    """Each prompt's constraint, compiled: its own (the workload's ``constraint`` field), else
+    the run's ``constraint.*``, else None. A schema that does not compile stops the run before
+    anything is measured, naming the prompt."""
+    shared = constraint_config(cfg)
+    compiled: list[tuple[ConstraintConfig, Constraint] | None] = []
+    for prompt in prompts:
+        spec = shared
+        if prompt.constraint is not None:
+            options = {"forced_per_leaf": shared.forced_per_leaf} if shared is not None else {}
+            try:
+                spec = ConstraintConfig(**{**options, **prompt.constraint})
+            except TypeError:
+                raise ValueError(
+                    f"prompt {prompt.id}: constraint {sorted(prompt.constraint)} is not one of "
+                    "json_schema, regex, grammar"
+                ) from None
+        if spec is None:
+            compiled.append(None)
+            continue
+        try:
+            compiled.append((spec, base.constraint(spec)))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"prompt {prompt.id}: {error}") from None
+    return compiled
 
 
 def format_table(payload: dict) -> str:
@@ -551,6 +599,19 @@ def format_table(payload: dict) -> str:
             )
             lowest = f"; {low} {by_category[low]:.2f}x" if low else ""
             lines.append(f"  {e['name']:<26} {same:.2f}x{lowest}")
+    constrained = [e for e in payload["pipelines"] if "valid_outputs" in e]
+    if constrained:  # under a constraint: what validates, what ran out of tokens, llguidance's cost
+        lines.append("constrained outputs (valid against the schema / complete within max_new_tokens):")
+        for e in constrained:
+            cost = e.get("grammar_ms_per_mask")
+            grammar = (
+                f"; grammar {cost:.3f} ms/mask, {e['grammar_masks_per_token']:.2f} masks/token"
+                if cost
+                else ""
+            )
+            lines.append(
+                f"  {e['name']:<26} valid {e['valid_outputs']:.2f}  complete {e['complete_outputs']:.2f}{grammar}"
+            )
     lines += slower_categories(payload)
     if verdict := aa_verdict(payload):
         lines.append(verdict)

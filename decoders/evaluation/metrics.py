@@ -53,6 +53,12 @@ class Record:
     draft_sizes: list[int] = field(default_factory=list)  # per round: draft tokens verified
     prefill_time: float | None = None
     gated_rounds: int | None = None  # rounds the round gate kept plain (no drafting)
+    # under a constraint: the output is a complete sentence of the grammar (False: it ran out of
+    # max_new_tokens first; kept, marked incomplete), and whether it validates (decoders/evaluation/validity.py)
+    constraint_complete: bool | None = None
+    valid: bool | None = None
+    grammar_time: float | None = None  # seconds llguidance spent on masks
+    grammar_masks: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +116,7 @@ def pipeline_entry(
         "wall_time": overall["wall_time"],
     }
     entry["speedup_same_lengths"] = same_length_speedup(records, baseline)
+    entry.update(constraint_summary(records))
     entry.update(repeat_spread(records, baseline))
     categories = {
         category: compared(records, baseline, lambda c, category=category: c == category)
@@ -123,6 +130,25 @@ def pipeline_entry(
             for stage in stages
         }
     return entry
+
+
+def constraint_summary(records: list[Record]) -> dict:
+    """Under a constraint: the share of outputs that validate against it, the share that are
+    complete (the rest ran out of max_new_tokens first), and llguidance's cost per mask.
+    Empty for unconstrained records."""
+    judged = [r for r in records if r.valid is not None]
+    if not judged:
+        return {}
+    summary = {
+        "valid_outputs": sum(bool(r.valid) for r in judged) / len(judged),
+        "complete_outputs": sum(bool(r.constraint_complete) for r in judged) / len(judged),
+    }
+    timed = [r for r in judged if r.grammar_masks]
+    if timed:
+        masks = sum(r.grammar_masks or 0 for r in timed)
+        summary["grammar_ms_per_mask"] = 1e3 * sum(r.grammar_time or 0.0 for r in timed) / masks
+        summary["grammar_masks_per_token"] = masks / max(sum(r.new_tokens for r in timed), 1)
+    return summary
 
 
 def compared(records: list[Record], baseline: list[Record], keep: Callable[[str], bool]) -> dict:

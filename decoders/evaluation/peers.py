@@ -8,6 +8,10 @@ with the same sampling settings:
     hf_assisted       assisted generation with the same draft model (draft_model)
     hf_early_exit     assistant_early_exit self-speculation (early_exit)
 
+Under a constraint each peer gets the same grammar as a logits processor
+(:class:`GrammarLogitsProcessor`): transformers applies it at every position it decodes, the
+rows prompt lookup verifies included; that is all it offers for structured output.
+
 ``bench.peers=true`` measures the ``bench.default_peers`` (those that can pay on the default
 target: on it, assisted generation ran at 0.30-0.36x and its early exit at 0.25-0.28x of
 standard decoding, and took a third of the quickstart's time); ``bench.peers=all`` every peer
@@ -21,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
+from decoders.engine.constraint import Constraint, GrammarState
 from decoders.engine.sampling import SamplingConfig
 
 PEER_COUNTERPART = {
@@ -41,8 +47,11 @@ class HFPeer:
     generate_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @torch.inference_mode()
-    def run(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-        """Generated token ids and wall seconds."""
+    def run(
+        self, prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None = None
+    ) -> tuple[list[int], float, bool | None]:
+        """Generated token ids, wall seconds, and under ``constraint`` whether the output is
+        complete (None without one)."""
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([prompt_ids], device=device)
         kwargs: dict[str, Any] = dict(
@@ -63,9 +72,41 @@ class HFPeer:
             )
         kwargs.update(self.generate_kwargs)
         start = time.perf_counter()
+        processor = None
+        if constraint is not None:  # its start (a matcher) is timed: our pipelines' is too
+            processor = GrammarLogitsProcessor(constraint.start(), len(prompt_ids))
+            kwargs["logits_processor"] = LogitsProcessorList([processor])
         output = self.model.generate(**kwargs)
         elapsed = time.perf_counter() - start
-        return output[0, len(prompt_ids) :].tolist(), elapsed
+        tokens = output[0, len(prompt_ids) :].tolist()
+        return tokens, elapsed, None if processor is None else processor.complete(tokens)
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """A constraint as transformers' logits processor: each call masks the scores with the
+    grammar's state after the ids it is given. Prompt lookup calls it on each verified row
+    with a longer or shorter prefix than the last call's, so the state follows the ids
+    (rolled back to the common prefix, then advanced), not the order of calls."""
+
+    def __init__(self, grammar: GrammarState, prompt_len: int) -> None:
+        self.grammar, self.prompt_len = grammar, prompt_len
+        self.consumed: list[int] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids[0, self.prompt_len :].tolist()  # (one request)
+        common = 0
+        while common < min(len(generated), len(self.consumed)) and generated[common] == self.consumed[common]:
+            common += 1
+        if common < len(self.consumed):
+            self.grammar.rollback(len(self.consumed) - common)
+        self.grammar.advance(generated[common:])
+        self.consumed = generated
+        allowed = self.grammar.allowed_after(())  # (vocab,)
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def complete(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` (the final output) is a complete sentence of the grammar."""
+        return self.grammar.constraint.accepts(tokens)
 
 
 def chosen_peers(setting: Any, default_peers: list[str]) -> list[str] | None:

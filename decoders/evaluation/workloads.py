@@ -22,7 +22,11 @@ DEFAULT_PROMPTS = Path(__file__).parent / "data" / "default_prompts.jsonl"
 # "<family>/later", so the first request of a family, met with an empty memory, is
 # reported apart from the later ones; the file order is the order they run in.
 AGENTIC_PROMPTS = Path(__file__).parent / "data" / "agentic_prompts.jsonl"
-SHIPPED_PROMPTS = {"default": DEFAULT_PROMPTS, "agentic": AGENTIC_PROMPTS}
+# Structured generation: 32 requests, each with the JSON schema its answer must follow (the
+# row's "constraint"), in three categories: extraction from a given text, a tool call's
+# arguments, classification into fixed labels.
+STRUCTURED_PROMPTS = Path(__file__).parent / "data" / "structured_prompts.jsonl"
+SHIPPED_PROMPTS = {"default": DEFAULT_PROMPTS, "agentic": AGENTIC_PROMPTS, "structured": STRUCTURED_PROMPTS}
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH_CATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -48,6 +52,9 @@ class Prompt:
     id: str
     category: str
     turns: list[str]
+    # the answer's constraint, {"json_schema" | "regex" | "grammar": ...} (None: unconstrained,
+    # or the run's constraint.*)
+    constraint: dict | None = None
 
 
 def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
@@ -84,6 +91,9 @@ def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
             turns = row["turns"]
             if not turns or not all(isinstance(t, str) for t in turns):
                 raise ValueError("turns must be a non-empty list of strings")
+            constraint = row.get("constraint")
+            if constraint is not None and not isinstance(constraint, dict):
+                raise ValueError('constraint must be an object such as {"json_schema": {...}}')
         except (json.JSONDecodeError, KeyError, ValueError, TypeError) as error:
             raise ValueError(
                 f"{path}:{number} is not a Spec-Bench question (need JSON with 'category' and "
@@ -91,7 +101,7 @@ def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
             ) from error
         if category in MT_BENCH_CATEGORIES:
             category = "mt_bench"
-        prompts.append(Prompt(str(row.get("question_id", number)), category, turns[: cfg.turns]))
+        prompts.append(Prompt(str(row.get("question_id", number)), category, turns[: cfg.turns], constraint))
     if cfg.categories:
         unknown = set(cfg.categories) - {p.category for p in prompts}
         if unknown:

@@ -54,6 +54,8 @@ from decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size
 # frontier nodes (all at ``depth``); rows/parents describe every candidate grown so far (rows
 # index the drafter's output rows).
 Expand = Callable[[list[int], list[int], list[int], int], torch.Tensor]
+# a constraint's rows: path of rows (root first) -> (n,) bool, the rows allowed after it
+Allowed = Callable[[list[int]], torch.Tensor]
 
 
 @dataclass
@@ -77,11 +79,15 @@ def grow(
     depth: int,
     what: str,
     prune: Callable[[Candidates, list[int]], list[int]] | None = None,
+    allowed: Allowed | None = None,
 ) -> Candidates:
     """Candidates of a dynamic tree from ``root_logits`` (n,), the pending token's children's logits.
 
     ``prune(candidates, frontier)``, asked before each ``expand``: the frontier nodes worth
-    expanding (an empty list ends the growth there)."""
+    expanding (an empty list ends the growth there). ``allowed(path)``, under a constraint:
+    the (n,) bool mask of the rows allowed after a node's path of rows (root first); a node's
+    children are then its best allowed rows, scored by the drafter's distribution renormalised
+    over them."""
     rows: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
@@ -91,19 +97,24 @@ def grow(
     logits = root_logits[None]  # (f, n)
     for level in range(depth):
         check_finite(logits, what)
+        if allowed is not None:
+            masks = torch.stack([allowed(_path(node, rows, parents)) for node in frontier])  # (f, n)
+            logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
         top = torch.log_softmax(logits.float(), -1).topk(min(width, logits.shape[-1]), dim=-1)  # (f, width)
         values, indices = top.values.tolist(), top.indices.tolist()
         level_nodes: list[int] = []
         for r, node in enumerate(frontier):
             base = scores[node] if node >= 0 else 0.0
             for value, row in zip(values[r], indices[r]):
+                if not value > float("-inf"):  # not allowed (or no row allowed at all: NaN)
+                    continue
                 level_nodes.append(len(rows))
                 rows.append(row)
                 parents.append(node)
                 scores.append(base + value)
                 probs.append(math.exp(value))
                 depths.append(level)
-        if level + 1 == depth:
+        if level + 1 == depth or not level_nodes:
             break
         frontier = sorted(sorted(level_nodes, key=lambda i: -scores[i])[:width])
         if prune is not None:
@@ -112,6 +123,15 @@ def grow(
                 break
         logits = expand(frontier, rows, parents, level)
     return Candidates(rows, parents, scores, probs, depths)
+
+
+def _path(node: int, rows: list[int], parents: list[int]) -> list[int]:
+    """The rows from the root to ``node`` (empty for the pending token, -1)."""
+    path: list[int] = []
+    while node >= 0:
+        path.append(rows[node])
+        node = parents[node]
+    return path[::-1]
 
 
 def confidence_key(depth: int, probability: float, max_depth: int = 3) -> tuple[int, int]:
@@ -157,9 +177,12 @@ class DynamicTree(Sizer):
     def max_nodes(self) -> int:
         return self.width + (self.depth - 1) * self.width * self.width
 
-    def build(self, root_logits: torch.Tensor, expand: Expand, what: str) -> Draft:
+    def build(
+        self, root_logits: torch.Tensor, expand: Expand, what: str, allowed: Allowed | None = None
+    ) -> Draft:
         """This round's tree, with the drafter's rows as tokens (the caller maps them to
-        ids); :meth:`Draft.nodes_in` of the candidates' draft gives each node's candidate."""
+        ids); :meth:`Draft.nodes_in` of the candidates' draft gives each node's candidate.
+        ``allowed``: a constraint's rows, as in :func:`grow`."""
         auto = self.budget == "auto"
         candidates = grow(
             root_logits,
@@ -168,7 +191,11 @@ class DynamicTree(Sizer):
             self.depth,
             what,
             self._worth_expanding if auto else None,
+            allowed,
         )
+        if not candidates.rows:  # a constraint allows none of the drafter's rows
+            self._keys = []
+            return Draft.empty()
         keys = [confidence_key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
         self.levels[1 + max(candidates.depths)] += 1
         values = self.stats.path_values(candidates.parents, keys)

@@ -18,7 +18,7 @@ import torch
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
 from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Proposer, draft_token
+from decoders.engine.proposer import Proposer, constrained_rows, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
 from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
@@ -99,7 +99,7 @@ class EagleProposer(Proposer):
     def propose(self, state) -> Draft:
         root_logits, root_state = self._sync(state)
         if self.dynamic is not None:
-            return self._draft_tree(root_logits, root_state)
+            return self._draft_tree(root_logits, root_state, state)
         return self._draft_chain(root_logits, root_state, state)
 
     @torch.inference_mode()
@@ -173,7 +173,12 @@ class EagleProposer(Proposer):
         rows: list[torch.Tensor] = []
         for i in range(length):
             check_finite(logits, "EAGLE drafter")
-            index, probs, _ = draft_token(logits, state, False)
+            allowed = constrained_rows(
+                state, tokens, self._row_token_ids(logits.shape[-1])
+            )  # None without a constraint
+            if allowed is not None and not bool(allowed.any()):
+                break
+            index, probs, _ = draft_token(logits, state, False, allowed)
             tokens.append(self._ids([index])[0])
             if probs is not None:
                 rows.append(self._full_row(probs))
@@ -182,7 +187,7 @@ class EagleProposer(Proposer):
                 previous = self.session.hidden[-1]
         return Draft.chain(tokens, torch.stack(rows) if rows else None)
 
-    def _draft_tree(self, root_logits: torch.Tensor, root_state: torch.Tensor) -> Draft:
+    def _draft_tree(self, root_logits: torch.Tensor, root_state: torch.Tensor, state) -> Draft:
         """A dynamic tree: each level's frontier is fed as one more level of a tree in
         the draft's cache, after its parents' states."""
         tree_start = len(self.session)
@@ -201,13 +206,25 @@ class EagleProposer(Proposer):
                 state_of[node] = self.session.hidden[i]
             return logits
 
-        draft = self.dynamic.build(root_logits, expand, "EAGLE drafter")
+        allowed = None
+        if state.grammar is not None:  # under a constraint: children among the allowed tokens only
+            row_ids = self._row_token_ids(root_logits.shape[-1])
+
+            def allowed(path: list[int]) -> torch.Tensor:
+                return constrained_rows(state, self._ids(path) if path else [], row_ids)
+
+        draft = self.dynamic.build(root_logits, expand, "EAGLE drafter", allowed)
         return Draft(self._ids(draft.tokens), draft.parents, values=draft.values)
 
     def _ids(self, rows: list[int]) -> list[int]:
         """Drafting rows (the draft vocabulary's, or the pointer memory's) -> token ids."""
         index = torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)
         return (self.token_ids[index] if self.memory is None else self.memory.token_ids(index)).tolist()
+
+    def _row_token_ids(self, rows: int) -> torch.Tensor:
+        """(rows,) the token id of every drafting row."""
+        index = torch.arange(rows, device=self.token_ids.device)
+        return self.token_ids[index] if self.memory is None else self.memory.token_ids(index)
 
     def _full_row(self, probs: torch.Tensor) -> torch.Tensor:
         """A distribution over the drafting rows -> (vocab,)."""

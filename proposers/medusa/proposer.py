@@ -48,7 +48,7 @@ import torch
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
 from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Proposer
+from decoders.engine.proposer import Proposer, constrained_rows
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite, processed_probs, sample
 from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
@@ -342,7 +342,14 @@ class MedusaProposer(Proposer):
                 outputs.expand(frontier, rows, parents, depth)
                 return torch.stack([outputs.logits[node] for node in frontier])  # (f, n)
 
-            draft = self.dynamic.build(root, expand, "Medusa heads")
+            allowed = None
+            if state.grammar is not None:  # under a constraint: children among the allowed tokens only
+                row_ids = torch.tensor(outputs.token_ids(list(range(root.shape[-1]))))
+
+                def allowed(path: list[int]) -> torch.Tensor:
+                    return constrained_rows(state, outputs.token_ids(path) if path else [], row_ids)
+
+            draft = self.dynamic.build(root, expand, "Medusa heads", allowed)
             return Draft(outputs.token_ids(draft.tokens), draft.parents, values=draft.values)
         if self.tree is not None:
             self.sizer = self.tuner
