@@ -176,7 +176,11 @@ CONSTRAINT_ONLY_PROPOSERS = frozenset({"grammar"})
 def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if params.get("proposer") in CONSTRAINT_ONLY_PROPOSERS and "test_constraint" not in item.nodeid:
+        if (
+            isinstance(params.get("proposer"), str)
+            and params["proposer"] in CONSTRAINT_ONLY_PROPOSERS
+            and "test_constraint" not in item.nodeid
+        ):
             item.add_marker(
                 pytest.mark.skip(reason="drafts only under a constraint: tests/test_constraint.py runs it")
             )

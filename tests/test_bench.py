@@ -131,11 +131,11 @@ def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch, cap
         run, start = contender.run, contender.start
 
         def until_third_prompt(call):
-            def counted(prompt_ids, max_new_tokens):
+            def counted(prompt_ids, max_new_tokens, constraint=None):
                 calls.append(prompt_ids)
                 if len(calls) == 1 + 3:  # warm-up, prompt 1, prompt 2, then the third prompt
                     raise KeyboardInterrupt
-                return call(prompt_ids, max_new_tokens)
+                return call(prompt_ids, max_new_tokens, constraint)
 
             return counted
 

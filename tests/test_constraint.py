@@ -24,11 +24,12 @@ from scipy.stats import chisquare
 from decoders import Pipeline
 from decoders.engine.constraint import ConstraintError
 from decoders.engine.draft import Draft
-from decoders.engine.registry import proposer_registry, verifier_registry
+from decoders.engine.registry import proposer_registry
 from decoders.engine.sampling import SamplingConfig, processed_probs
 from decoders.evaluation.peers import GrammarLogitsProcessor
 from tests.bench_helpers import run_bench, tiny_overrides
 from tests.conftest import REPO_ROOT, random_prompts
+from tests.test_greedy_identity import shape_cases, shape_id
 from verifiers.rejection import residual_distribution
 
 SCHEMA = {
@@ -45,10 +46,6 @@ SCHEMA = {
 BRANCHES = "(ab|acd|ad|b{1,3}c?|cab)"  # a finite language with branches at every depth
 LANGUAGE = ["ab", "acd", "ad", "b", "bb", "bbb", "bc", "bbc", "bbbc", "cab"]
 EOS = 257  # the tiny model's end token
-
-
-def lossless_verifiers() -> list[str]:
-    return [v for v in verifier_registry.names() if verifier_registry.get(v).lossless]
 
 
 def reference_constrained_greedy(
@@ -86,20 +83,20 @@ def test_constrained_standard_decoding_equals_the_reference(tiny_pipeline):
     assert completed > 0, "no output completed its schema: the check saw only prefixes"
 
 
-@pytest.mark.parametrize("verifier", lossless_verifiers())
-@pytest.mark.parametrize("proposer", proposer_registry.names())
-def test_constrained_greedy_output_equals_constrained_standard(
-    drafting_pays, trained_pipeline, proposer, verifier
-):
-    pipeline = trained_pipeline.with_components(proposer, verifier)
+@pytest.mark.parametrize("case", shape_cases(constrained=True), ids=[shape_id(c) for c in shape_cases(True)])
+def test_constrained_greedy_output_equals_constrained_standard(drafting_pays, trained_pipeline, case):
+    """Every proposer in each of its draft shapes, with every lossless verifier, under a JSON
+    schema and a regex: constrained standard decoding's tokens exactly."""
+    spec, verifier = case
+    pipeline = trained_pipeline.with_components(spec, verifier)
     accepted = 0
-    for spec in ({"json_schema": SCHEMA}, {"regex": "([a-c]{1,3}(yes|no);)+"}):
-        constraint = trained_pipeline.constraint(spec)
+    for constraint_spec in ({"json_schema": SCHEMA}, {"regex": "([a-c]{1,3}(yes|no);)+"}):
+        constraint = trained_pipeline.constraint(constraint_spec)
         for prompt in random_prompts(3, seed=4):
             for max_new in (1, 7, 30):
                 expected = trained_pipeline.generate(prompt, max_new, constraint=constraint).tokens
                 result = pipeline.generate(prompt, max_new, constraint=constraint)
-                assert result.tokens == expected, (proposer, verifier, spec, prompt, max_new)
+                assert result.tokens == expected, (spec, verifier, constraint_spec, prompt, max_new)
                 accepted += result.stats.accepted
     assert accepted > 0, "no draft token was ever accepted: the test exercised nothing"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from decoders.engine.registry import proposer_registry, verifier_registry
-from tests.conftest import random_prompts
+from tests.conftest import CONSTRAINT_ONLY_PROPOSERS, random_prompts
 
 
 def lossless_verifiers() -> list[str]:
@@ -87,13 +87,17 @@ DRAFT_SHAPES: dict[str, list[dict]] = {
     "early_exit": [{}, {"kv_reuse": False}],
     "medusa": [{}, {"tree": "auto"}, {"tree": "dynamic"}],
     "merge": [{}],
+    "grammar": [{}],  # drafts only under a constraint: tests/test_constraint.py
 }
 
 
-def shape_cases() -> list[tuple[dict, str]]:
+def shape_cases(constrained: bool = False) -> list[tuple[dict, str]]:
+    """Every (proposer in each draft shape, lossless verifier); ``constrained``: also the
+    proposers that draft only under a constraint."""
     return [
         ({"name": proposer, **options}, verifier)
         for proposer in proposer_registry.names()
+        if constrained or proposer not in CONSTRAINT_ONLY_PROPOSERS
         for options in DRAFT_SHAPES.get(proposer, [{}])
         for verifier in lossless_verifiers()
     ]
