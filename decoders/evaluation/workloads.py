@@ -23,7 +23,7 @@ DEFAULT_PROMPTS = Path(__file__).parent / "data" / "default_prompts.jsonl"
 # reported apart from the later ones; the file order is the order they run in.
 AGENTIC_PROMPTS = Path(__file__).parent / "data" / "agentic_prompts.jsonl"
 # Structured generation: 32 requests, each with the JSON schema its answer must follow (the
-# row's "constraint"), in three categories: extraction from a given text, a tool call's
+# row's "constraint"), in three categories: field_extraction (from a given text), a tool call's
 # arguments, classification into fixed labels.
 STRUCTURED_PROMPTS = Path(__file__).parent / "data" / "structured_prompts.jsonl"
 SHIPPED_PROMPTS = {"default": DEFAULT_PROMPTS, "agentic": AGENTIC_PROMPTS, "structured": STRUCTURED_PROMPTS}
