@@ -56,6 +56,23 @@ def test_grow_expands_the_best_frontier_into_its_top_children():
     assert calls[1][0] == best
 
 
+def test_a_constraint_leaves_only_allowed_children_renormalised():
+    """``allowed(path)``: each node's children are its best allowed rows, scored by the
+    drafter's distribution over them; where nothing is allowed, nothing is drafted."""
+    odd_after_even = lambda path: torch.tensor(
+        [(row % 2 == 1) == (len(path) % 2 == 0) for row in range(VOCAB)]
+    )  # noqa: E731
+    candidates = grow(ROOT, fixed_expand([]), width=2, depth=3, what="test", allowed=odd_after_even)
+    assert candidates.rows[:2] == [1, 3]  # the root's best odd rows, though 0 scores higher
+    allowed_logp = torch.log_softmax(ROOT[[1, 3, 5]], -1)
+    assert candidates.scores[0] == pytest.approx(float(allowed_logp[0]))
+    for row, depth in zip(candidates.rows, candidates.depths):
+        assert row % 2 == (1 if depth % 2 == 0 else 0)
+    tree = DynamicTree(width=2, depth=3, budget=4, target_cost=flat_then_steep)
+    nothing = tree.build(ROOT, fixed_expand([]), "test", lambda path: torch.zeros(VOCAB, dtype=torch.bool))
+    assert len(nothing) == 0 and nothing.origin is not None  # the caller maps its (no) nodes back
+
+
 def flat_then_steep(width: int = 4) -> CostCurve:
     """T(n) = 1 up to ``width`` tokens, then +0.5 per token."""
     return CostCurve({1: 1.0, width: 1.0, 64: 1.0 + 0.5 * (64 - width)})

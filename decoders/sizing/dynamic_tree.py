@@ -195,7 +195,7 @@ class DynamicTree(Sizer):
         )
         if not candidates.rows:  # a constraint allows none of the drafter's rows
             self._keys = []
-            return Draft.empty()
+            return Draft([], [], values=[]).select([])  # (empty, made from the empty candidates)
         keys = [confidence_key(d, p) for d, p in zip(candidates.depths, candidates.probs)]
         self.levels[1 + max(candidates.depths)] += 1
         values = self.stats.path_values(candidates.parents, keys)
