@@ -59,9 +59,10 @@ def test_grow_expands_the_best_frontier_into_its_top_children():
 def test_a_constraint_leaves_only_allowed_children_renormalised():
     """``allowed(path)``: each node's children are its best allowed rows, scored by the
     drafter's distribution over them; where nothing is allowed, nothing is drafted."""
-    odd_after_even = lambda path: torch.tensor(
-        [(row % 2 == 1) == (len(path) % 2 == 0) for row in range(VOCAB)]
-    )  # noqa: E731
+
+    def odd_after_even(path: list[int]) -> torch.Tensor:
+        return torch.tensor([(row % 2 == 1) == (len(path) % 2 == 0) for row in range(VOCAB)])
+
     candidates = grow(ROOT, fixed_expand([]), width=2, depth=3, what="test", allowed=odd_after_even)
     assert candidates.rows[:2] == [1, 3]  # the root's best odd rows, though 0 scores higher
     allowed_logp = torch.log_softmax(ROOT[[1, 3, 5]], -1)

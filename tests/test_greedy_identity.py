@@ -87,7 +87,8 @@ DRAFT_SHAPES: dict[str, list[dict]] = {
     "early_exit": [{}, {"kv_reuse": False}],
     "medusa": [{}, {"tree": "auto"}, {"tree": "dynamic"}],
     "merge": [{}],
-    "grammar": [{}],  # drafts only under a constraint: tests/test_constraint.py
+    "grammar": [{}],
+    "span": [{}, {"endings": 0, "min_chars": 1}],  # drafts only under a constraint: tests/test_constraint.py
 }
 
 

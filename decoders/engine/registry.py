@@ -209,6 +209,7 @@ BUILTIN_PROPOSERS = {
     "medusa": "proposers.medusa.proposer:MedusaProposer",
     "merge": "proposers.merge:MergeProposer",
     "ngram": "proposers.ngram:NgramProposer",
+    "span": "proposers.span:SpanProposer",
     "suffix": "proposers.suffix:SuffixProposer",
 }
 BUILTIN_VERIFIERS = {

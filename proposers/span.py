@@ -1,0 +1,105 @@
+"""Copy a span of the prompt's text, matched and re-tokenised as text, not as token ids.
+
+Prompt lookup (``ngram``, ``suffix``) matches token ids, so it misses a span the output
+spells with other tokens than the prompt did: a name copied into a JSON string starts
+after a quote (``"Tartu``) where the prompt had it after a space (`` Tartu``), and the
+two tokenise differently from the first letter on. This proposer matches text: the
+longest tail of the output's text (``min_chars`` to ``max_chars`` characters) found in
+the prompt's text, at its latest occurrence, and drafts what followed it there,
+tokenised as the tokenizer would (up to ``k`` tokens). A value's first characters, too
+few to match alone (``"T``, ``: 1``), are looked up as the start of a word (`` T``, `` 1``).
+
+Under a constraint, a copied value usually ends at a word boundary the span runs past
+(``"Tartu``, then the prompt's ``, Estonia``). So at the first ``endings`` boundaries
+of the span (before a space or a punctuation mark) the draft also branches into the
+tokens that close a JSON string (``",`` ``"}`` ``"]``): the engine keeps those the grammar
+allows and appends the forced continuation (the next key) to them, so a round can end a
+value and write the next key. Without a constraint there are no endings.
+
+Drafts are chosen deterministically from the committed tokens (``draft_probs`` None), so
+every verifier treats them as point masses: lossless at any temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decoders.engine.draft import Draft
+from decoders.engine.proposer import Proposer
+from decoders.engine.registry import register_proposer
+
+CLOSINGS = ('",', '"}', '"]')  # the tokens that end a JSON string value (the grammar keeps the valid ones)
+TAIL_TOKENS = 16  # the output's last tokens decoded to find the tail's text
+
+
+@register_proposer("span")
+class SpanProposer(Proposer):
+    @dataclass
+    class Config:
+        k: int = 8  # tokens of the copied span drafted
+        min_chars: int = 3  # the shortest tail of the output's text looked up
+        max_chars: int = 48  # the longest
+        endings: int = (
+            2  # under a constraint: branches closing a JSON string at the span's first word boundaries
+        )
+
+    def __init__(self, config: Config, context) -> None:
+        super().__init__(config, context)
+        if context.tokenizer is None:
+            raise ValueError(
+                "proposer=span matches text: it needs the model's tokenizer, and this model has none"
+            )
+        if config.k < 1 or not 1 <= config.min_chars <= config.max_chars or config.endings < 0:
+            raise ValueError(
+                "proposer=span needs k >= 1, 1 <= min_chars <= max_chars and endings >= 0, got "
+                f"k={config.k}, min_chars={config.min_chars}, max_chars={config.max_chars}, endings={config.endings}"
+            )
+        self.tokenizer = context.tokenizer
+        self.closings = [ids[0] for text in CLOSINGS if len(ids := self._encode(text)) == 1]
+        self.source = ""
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def begin(self, state) -> None:
+        self.source = self.tokenizer.decode(state.tokens[: state.prompt_len], skip_special_tokens=True)
+
+    def propose(self, state) -> Draft:
+        generated = state.tokens[state.prompt_len :]
+        tail = self.tokenizer.decode(generated[-TAIL_TOKENS:], skip_special_tokens=True)
+        start = self._match_end(tail)
+        if start is None:
+            return Draft.empty()
+        span = self._encode(self.source[start : start + 8 * self.config.k])[: self.config.k]
+        tokens, parents = list(span), list(range(-1, len(span) - 1))
+        if state.grammar is not None and self.config.endings:
+            for boundary in self._boundaries(span)[: self.config.endings]:
+                for closing in self.closings:  # after span[:boundary]
+                    tokens.append(closing)
+                    parents.append(boundary - 1)
+        return Draft(tokens, parents)
+
+    def _match_end(self, tail: str) -> int | None:
+        """Where the prompt's text goes on after the longest tail of ``tail`` it holds."""
+        for length in range(min(self.config.max_chars, len(tail)), self.config.min_chars - 1, -1):
+            found = self.source.rfind(tail[-length:])
+            if found >= 0 and found + length < len(self.source):
+                return found + length
+        # A value's first characters, too few to match alone: the latest word they start.
+        opened = max(tail.rfind('"'), tail.rfind(" "))  # a string's or a number's start
+        prefix = tail[opened + 1 :] if opened >= 0 else ""
+        if 0 < len(prefix) < self.config.min_chars and not prefix[0].isspace():
+            found = self.source.rfind(" " + prefix)
+            if found >= 0 and found + 1 + len(prefix) < len(self.source):
+                return found + 1 + len(prefix)
+        return None
+
+    def _boundaries(self, span: list[int]) -> list[int]:
+        """The positions in ``span`` where a word ends: before a token that starts with a space
+        or a punctuation mark (0: the tail itself may be the whole value)."""
+        boundaries = []
+        for position, token in enumerate(span):
+            text = self.tokenizer.decode([token])
+            if text[:1].isspace() or text[:1] in ",.;:!?)]}":
+                boundaries.append(position)
+        return boundaries
