@@ -55,7 +55,7 @@ class SpanProposer(Proposer):
                 f"k={config.k}, min_chars={config.min_chars}, max_chars={config.max_chars}, endings={config.endings}"
             )
         self.tokenizer = context.tokenizer
-        self.closings = [ids[0] for text in CLOSINGS if len(ids := self._encode(text)) == 1]
+        self.closings = [self._encode(text) for text in CLOSINGS]  # each a token or a few
         self.source = ""
 
     def _encode(self, text: str) -> list[int]:
@@ -74,9 +74,12 @@ class SpanProposer(Proposer):
         tokens, parents = list(span), list(range(-1, len(span) - 1))
         if state.grammar is not None and self.config.endings:
             for boundary in self._boundaries(span)[: self.config.endings]:
-                for closing in self.closings:  # after span[:boundary]
-                    tokens.append(closing)
-                    parents.append(boundary - 1)
+                for closing in self.closings:  # a branch after span[:boundary]
+                    parent = boundary - 1
+                    for token in closing:
+                        tokens.append(token)
+                        parents.append(parent)
+                        parent = len(tokens) - 1
         return Draft(tokens, parents)
 
     def _match_end(self, tail: str) -> int | None:
