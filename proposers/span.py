@@ -16,6 +16,11 @@ tokens that close a JSON string (``",`` ``"}`` ``"]``): the engine keeps those t
 allows and appends the forced continuation (the next key) to them, so a round can end a
 value and write the next key. Without a constraint there are no endings.
 
+With ``adaptive`` (the default) the span is cut to the length that pays, from the
+acceptance measured per match length and depth against the target's T(n)
+(:class:`decoders.sizing.draft_length.DraftLengthPolicy`, as ``ngram`` does), and its nodes
+carry those estimates, so ``merge`` sizes it with the other members' drafts.
+
 Drafts are chosen deterministically from the committed tokens (``draft_probs`` None), so
 every verifier treats them as point masses: lossless at any temperature.
 """
@@ -24,9 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.engine.draft import Draft
+from decoders.engine.draft import Draft, Round
 from decoders.engine.proposer import Proposer
 from decoders.engine.registry import register_proposer
+from decoders.sizing.draft_length import DraftLengthPolicy
 
 CLOSINGS = ('",', '"}', '"]')  # the tokens that end a JSON string value (the grammar keeps the valid ones)
 TAIL_TOKENS = 16  # the output's last tokens decoded to find the tail's text
@@ -39,9 +45,8 @@ class SpanProposer(Proposer):
         k: int = 8  # tokens of the copied span drafted
         min_chars: int = 3  # the shortest tail of the output's text looked up
         max_chars: int = 48  # the longest
-        endings: int = (
-            2  # under a constraint: branches closing a JSON string at the span's first word boundaries
-        )
+        endings: int = 2  # under a constraint: string-closing branches at the span's first word ends
+        adaptive: bool = True  # cut spans to the length that pays (acceptance per match length vs T(n))
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
@@ -57,6 +62,7 @@ class SpanProposer(Proposer):
         self.tokenizer = context.tokenizer
         self.closings = [self._encode(text) for text in CLOSINGS]  # each a token or a few
         self.source = ""
+        self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -67,10 +73,18 @@ class SpanProposer(Proposer):
     def propose(self, state) -> Draft:
         generated = state.tokens[state.prompt_len :]
         tail = self.tokenizer.decode(generated[-TAIL_TOKENS:], skip_special_tokens=True)
-        start = self._match_end(tail)
-        if start is None:
+        match = self._match(tail)
+        if match is None:
             return Draft.empty()
+        start, matched = match
         span = self._encode(self.source[start : start + 8 * self.config.k])[: self.config.k]
+        survival = None
+        if self.policy is not None:  # situations: how many characters matched (a word's start: 0)
+            key = min(matched, 16) // 4
+            span = span[: self.policy.choose(key, len(span))]
+            survival = self.policy.values(key, len(span))
+        if not span:
+            return Draft.empty()
         tokens, parents = list(span), list(range(-1, len(span) - 1))
         if state.grammar is not None and self.config.endings:
             for boundary in self._boundaries(span)[: self.config.endings]:
@@ -80,21 +94,32 @@ class SpanProposer(Proposer):
                         tokens.append(token)
                         parents.append(parent)
                         parent = len(tokens) - 1
-        return Draft(tokens, parents)
+        draft = Draft(tokens, parents)
+        if survival is not None:  # an ending is estimated as the span's node at its depth
+            draft.values = [survival[min(depth, len(survival) - 1)] for depth in draft.depths]
+        return draft
 
-    def _match_end(self, tail: str) -> int | None:
-        """Where the prompt's text goes on after the longest tail of ``tail`` it holds."""
+    def observe(self, state, round: Round) -> None:
+        if self.policy is not None:
+            self.policy.observe(round)  # counted under the match length it chose for
+
+    def describe(self) -> dict:
+        return {"draft_length_rates": self.policy.as_dict()} if self.policy is not None else {}
+
+    def _match(self, tail: str) -> tuple[int, int] | None:
+        """Where the prompt's text goes on after the longest tail of ``tail`` it holds, and
+        how many characters matched (0: a value's first characters, as a word's start)."""
         for length in range(min(self.config.max_chars, len(tail)), self.config.min_chars - 1, -1):
             found = self.source.rfind(tail[-length:])
             if found >= 0 and found + length < len(self.source):
-                return found + length
+                return found + length, length
         # A value's first characters, too few to match alone: the latest word they start.
         opened = max(tail.rfind('"'), tail.rfind(" "))  # a string's or a number's start
         prefix = tail[opened + 1 :] if opened >= 0 else ""
         if 0 < len(prefix) < self.config.min_chars and not prefix[0].isspace():
             found = self.source.rfind(" " + prefix)
             if found >= 0 and found + 1 + len(prefix) < len(self.source):
-                return found + 1 + len(prefix)
+                return found + 1 + len(prefix), 0
         return None
 
     def _boundaries(self, span: list[int]) -> list[int]:

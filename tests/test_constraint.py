@@ -216,6 +216,7 @@ SAMPLED_PIPELINES = [
         },
         "tree",
     ),
+    ({"name": "merge", "members": ["grammar", "span"]}, "tree"),  # text lookup and forced tokens
 ]
 
 
@@ -340,3 +341,28 @@ def test_the_bench_measures_constrained_prompts_and_their_validity(drafting_pays
         if name != "standard" and entry["kind"] != "control":
             assert entry["identical_outputs"] == 1.0, name
     assert entries["grammar+greedy"]["mean_accepted_tokens"] > 1.5  # forced keys and quotes came free
+
+
+def test_the_audit_checks_a_pipeline_under_a_constraint(tmp_path):
+    """`audit` with constraint.*: standard decoding and the pipeline both decode under it."""
+    from decoders.evaluation.audit import run_audit
+    from tests.bench_helpers import write_workload
+    from tests.test_audit import audit_config
+
+    cfg = audit_config(
+        tmp_path, "proposer=merge", "proposer.members=[grammar,span]", "verifier=tree",
+        "sampling.temperature=1.0", f"workload.path={write_workload(tmp_path)}", "audit.prompts=2",
+        "audit.max_new_tokens=24", "audit.sampling_prompts=1", "audit.samples=60", 'constraint.regex="(ab|acd|ad|b{1,3}c?|cab)"',
+    )  # fmt: skip
+    audit = run_audit(cfg)
+    assert audit["passed"] is True, audit["verdict"]
+    assert audit["constraint"].startswith("regex") and audit["greedy_identical"] == 1.0
+
+
+def test_a_pipeline_s_default_constraint_applies_to_every_request_and_its_variants(tiny_pipeline):
+    constrained = tiny_pipeline.with_components(None, None)
+    constrained.default_constraint = constrained.constraint({"regex": BRANCHES})
+    speculative = constrained.with_components("grammar", "greedy")
+    for pipeline in (constrained, speculative):
+        tokens = pipeline.generate([1, 2, 3], 8).tokens
+        assert bytes(t for t in tokens if t != EOS).decode() in LANGUAGE

@@ -88,7 +88,10 @@ DRAFT_SHAPES: dict[str, list[dict]] = {
     "medusa": [{}, {"tree": "auto"}, {"tree": "dynamic"}],
     "merge": [{}],
     "grammar": [{}],
-    "span": [{}, {"endings": 0, "min_chars": 1}],  # drafts only under a constraint: tests/test_constraint.py
+    "span": [
+        {},
+        {"endings": 0, "min_chars": 1, "adaptive": False},
+    ],  # drafts only under a constraint: tests/test_constraint.py
 }
 
 

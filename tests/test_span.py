@@ -36,7 +36,7 @@ def text(pipeline, tokens: list[int]) -> str:
 
 
 def test_a_tail_is_matched_as_text_and_its_continuation_tokenised_afresh(tiny_pipeline):
-    proposer = span_proposer(tiny_pipeline, k=6)
+    proposer = span_proposer(tiny_pipeline, k=6, adaptive=False)
     state = state_after(tiny_pipeline, '{"city": "Tar')  # the prompt spells it " Tartu"
     proposer.begin(state)
     draft = proposer.propose(state)
@@ -53,7 +53,7 @@ def test_under_a_constraint_the_span_branches_into_the_string_s_end_and_the_next
     grammar = tiny_pipeline.constraint({"json_schema": SCHEMA}).start()
     generated = '{"city": "Tar'
     grammar.advance(tiny_pipeline.tokenizer.encode(generated, add_special_tokens=False))
-    proposer = span_proposer(tiny_pipeline, k=6, endings=1)
+    proposer = span_proposer(tiny_pipeline, k=6, endings=1, adaptive=False)
     state = state_after(tiny_pipeline, generated, grammar)
     proposer.begin(state)
     draft = proposer.propose(state)

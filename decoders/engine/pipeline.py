@@ -61,6 +61,7 @@ class Pipeline:
         chat_template: bool = True,
         cost_curve: CostCurve | None = None,
         round_gate: bool = False,
+        constraint: ConstraintSpec | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -93,6 +94,10 @@ class Pipeline:
         self.gate: RoundGate | None = round_gate_class()(self.context.cost_curve) if gated else None
         self.label: str | None = None  # a name for results tables (default proposer+verifier)
         self._grammar_vocabulary: GrammarVocabulary | None = None  # built on the first constraint
+        # every request's constraint unless it brings its own (None: unconstrained)
+        self.default_constraint: Constraint | None = (
+            None if constraint is None else self.constraint(constraint)
+        )
 
     # ------------------------------------------------------------------ building
 
@@ -132,6 +137,7 @@ class Pipeline:
             chat_template=self.chat_template,
             cost_curve=self.context.fixed_cost_curve,
             round_gate=self.round_gate if round_gate is None else round_gate,
+            constraint=self.default_constraint,
         )
 
     def _component(self, spec: ComponentSpec | None, registry, base: type) -> Any:
@@ -213,6 +219,8 @@ class Pipeline:
         stop = StopConditions(
             max_new_tokens or self.max_new_tokens, self.eos_token_ids(), self.stop_strings, self.tokenizer
         )
+        if constraint is None:
+            constraint = self.default_constraint
         grammar = self.constraint(constraint).start() if constraint is not None else None
         return Decoding(
             self.session,

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from decoders.cli.config import (
     component,
+    constraint_config,
     load_plugins,
     model_config,
     sampling_config,
@@ -320,7 +321,8 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
     greedy_sampling = replace(sampling, temperature=0.0)
     standard = Pipeline(target, tokenizer, sampling=greedy_sampling, model_config=model_cfg,
                         artifacts_dir=cfg.artifacts_dir, max_new_tokens=audit.max_new_tokens,
-                        round_gate=bool(cfg.get("round_gate", False)))  # fmt: skip
+                        round_gate=bool(cfg.get("round_gate", False)),
+                        constraint=constraint_config(cfg))  # both pipelines decode under it, if given  # fmt: skip
     count = max(audit.prompts, audit.sampling_prompts)
     if tokenizer is None:
         prompts = synthetic_prompts(target.config.vocab_size, count)
@@ -368,6 +370,9 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
             "declared_lossless": declared_lossless,
             "model": standard.context.target_key,
             "dtype": str(standard.session.dtype).removeprefix("torch."),
+            "constraint": None
+            if standard.default_constraint is None
+            else standard.default_constraint.description,
             "device": str(standard.session.device),
             "temperature": sampling.temperature,
             "top_k": sampling.top_k,
