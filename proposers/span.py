@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decoders.engine.draft import Draft, Round
-from decoders.engine.proposer import Proposer
+from decoders.engine.proposer import NeedsTokenizer, Proposer
 from decoders.engine.registry import register_proposer
 from decoders.sizing.draft_length import DraftLengthPolicy
 
@@ -51,7 +51,7 @@ class SpanProposer(Proposer):
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         if context.tokenizer is None:
-            raise ValueError(
+            raise NeedsTokenizer(
                 "proposer=span matches text: it needs the model's tokenizer, and this model has none"
             )
         if config.k < 1 or not 1 <= config.min_chars <= config.max_chars or config.endings < 0:

@@ -171,6 +171,11 @@ def cpu_without(monkeypatch):
 # tests/test_constraint.py runs it, alone and merged with every other proposer, under
 # constraints (greedy identity, exact mode, sampled distributions).
 CONSTRAINT_ONLY_PROPOSERS = frozenset({"grammar"})
+# ``span`` copies the prompt's *text*: the tiny random models never copy text, so there its drafts
+# are verified and rejected, not accepted. The matrices ask of it drafts the target verified
+# (identity with rejections exercised); acceptance is measured on the default model (the
+# structured bench: identical outputs 1.00) and its drafts' shapes in tests/test_span.py.
+TEXT_PROPOSERS = frozenset({"span"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from decoders.engine.proposer import NeedsTokenizer
 from decoders.engine.registry import proposer_registry, verifier_registry
-from tests.conftest import CONSTRAINT_ONLY_PROPOSERS, random_prompts
+from tests.conftest import CONSTRAINT_ONLY_PROPOSERS, TEXT_PROPOSERS, random_prompts
 
 
 def lossless_verifiers() -> list[str]:
@@ -15,7 +16,7 @@ def lossless_verifiers() -> list[str]:
 def pipeline_or_skip(base, proposer, verifier):
     try:
         return base.with_components(proposer, verifier)
-    except FileNotFoundError as missing:  # needs a trained artifact: its own tests cover it
+    except (FileNotFoundError, NeedsTokenizer) as missing:  # needs a trained artifact: its own tests cover it
         pytest.skip(str(missing))
 
 
@@ -26,7 +27,7 @@ def test_greedy_output_equals_standard(drafting_pays, trained_pipeline, proposer
         trained_pipeline  # heads trained for the tiny model: no proposer is skipped; flat T(n): they draft
     )
     pipeline = pipeline_or_skip(tiny_pipeline, proposer, verifier)
-    total_accepted = 0
+    total_accepted = total_proposed = 0
     for k in (1, 4):
         pipeline.proposer.config.k = k
         for prompt in random_prompts(5, seed=k):
@@ -36,7 +37,11 @@ def test_greedy_output_equals_standard(drafting_pays, trained_pipeline, proposer
                 assert result.tokens == expected, (proposer, verifier, k, prompt, max_new)
                 assert result.stats.new_tokens == len(expected) <= max_new
                 total_accepted += result.stats.accepted
-    assert total_accepted > 0, "no draft token was ever accepted: the test exercised nothing"
+                total_proposed += result.stats.proposed
+    if proposer in TEXT_PROPOSERS:  # (tests/conftest.py) never accepted on a random model
+        assert total_proposed > 0, "nothing was drafted: the test exercised nothing"
+    else:
+        assert total_accepted > 0, "no draft token was ever accepted: the test exercised nothing"
 
 
 @pytest.mark.parametrize("proposer", proposer_registry.names())

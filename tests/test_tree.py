@@ -327,11 +327,11 @@ def test_dynamic_tree_nodes_are_the_draft_models_top_children(tiny_model, tiny_c
     draft_model = proposer.model
     seen_trees = []
 
-    def checked_draft_tree(root_logits):
+    def checked_draft_tree(root_logits, state):
         committed = list(proposer.session.cached)
         fresh = ModelSession(draft_model).forward(committed)[-1]
         torch.testing.assert_close(root_logits, fresh, rtol=0, atol=1e-10)
-        tree = original(root_logits)
+        tree = original(root_logits, state)
         seen_trees.append(tree)
         assert len(tree) <= 9 and tree.draft_probs is None
         for node in range(len(tree)):

@@ -36,6 +36,7 @@ Unconstrained requests never import it.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ class ConstraintConfig:
         return next((kind for kind in KINDS if getattr(self, kind) not in (None, "")), None)
 
 
-def _text_or_file(value: str, kind: str) -> str:
+def text_or_file(value: str, kind: str) -> str:
     """``value`` itself, or the contents of the file it names."""
     stripped = value.strip()
     if stripped and stripped[0] not in "{[" and "\n" not in stripped and len(stripped) < 4096:
@@ -107,7 +108,7 @@ def grammar_source(config: ConstraintConfig) -> tuple[str, str]:
     try:
         if kind == "json_schema":
             if not isinstance(value, dict):
-                text = _text_or_file(str(value), kind)
+                text = text_or_file(str(value), kind)
                 try:
                     value = json.loads(text)
                 except json.JSONDecodeError as error:
@@ -122,7 +123,7 @@ def grammar_source(config: ConstraintConfig) -> tuple[str, str]:
         elif kind == "regex":
             source, title = llguidance.LLMatcher.grammar_from_regex(str(value)), f"regex {value!r}"
         else:
-            text = _text_or_file(str(value), kind)
+            text = text_or_file(str(value), kind)
             source, title = llguidance.grammar_from("grammar", text), "grammar"
     except ConstraintError:
         raise
@@ -197,10 +198,12 @@ class Constraint:
     def accepts(self, tokens: list[int]) -> bool:
         """Whether ``tokens`` is a complete output of the grammar (an end token may follow)."""
         state = self.start()
-        stop = [i for i, t in enumerate(tokens) if t in set(self.vocabulary.tokenizer.eos_tokens)]
-        body = tokens[: stop[0]] if stop else tokens
-        return state.matcher.validate_tokens(body) == len(body) and (
-            state.matcher.consume_tokens(body) and state.matcher.is_accepting()
+        body = state.before_end(tokens)
+        matcher = state.matcher
+        return (
+            matcher.validate_tokens(body) == len(body)
+            and matcher.consume_tokens(body)
+            and matcher.is_accepting()
         )
 
 
@@ -224,11 +227,11 @@ class GrammarState:
     def advance(self, tokens: list[int]) -> None:
         """The output grew by ``tokens`` (all allowed: they came from constrained rows)."""
         self.masks.clear()
-        body = self._before_end(tokens)
+        body = self.before_end(tokens)
         if body and not self.matcher.consume_tokens(body):
             raise RuntimeError(f"the grammar rejected emitted tokens {tokens}: {self.matcher.get_error()}")
 
-    def _before_end(self, tokens: list[int] | tuple[int, ...]) -> list[int]:
+    def before_end(self, tokens: list[int] | tuple[int, ...]) -> list[int]:
         """``tokens`` up to their first end token (llguidance's matcher stops by itself once
         a grammar's sentence cannot go on, and an end token fed to a stopped matcher is an
         error it never leaves: the end is kept out of the matcher)."""
@@ -259,10 +262,8 @@ class GrammarState:
         """(vocab,) bool: the tokens allowed after the output plus ``path`` (a valid path)."""
         mask = self.masks.get(path)
         if mask is None:
-            import time
-
             start = time.perf_counter()
-            body = self._before_end(path)
+            body = self.before_end(path)
             if len(body) < len(path):  # past an end token: nothing there is kept, the row stays as it is
                 mask = torch.ones(self.vocabulary.vocab_size, dtype=torch.bool)
             else:
@@ -317,7 +318,7 @@ class GrammarState:
         added_any = False
         for leaf in leaves:
             path = list(paths[leaf])
-            if len(self._before_end(path)) < len(path):  # the draft ends there
+            if len(self.before_end(path)) < len(path):  # the draft ends there
                 continue
             if not self.matcher.consume_tokens(path):
                 raise RuntimeError(f"internal: draft path {path} is not allowed by the grammar")

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from decoders.models.session import ModelSession
 
 
+class NeedsTokenizer(ValueError):
+    """A proposer that works on text was built for a model without a tokenizer."""
+
+
 class Proposer:
     name: ClassVar[str]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import jsonschema
 
-from decoders.engine.constraint import Constraint, ConstraintConfig, _text_or_file
+from decoders.engine.constraint import Constraint, ConstraintConfig, text_or_file
 
 
 def output_valid(text: str, tokens: list[int], spec: ConstraintConfig, constraint: Constraint) -> bool:
@@ -20,7 +20,7 @@ def output_valid(text: str, tokens: list[int], spec: ConstraintConfig, constrain
     if kind == "json_schema":
         schema: Any = spec.json_schema
         if not isinstance(schema, dict):
-            schema = json.loads(_text_or_file(str(schema), kind))
+            schema = json.loads(text_or_file(str(schema), kind))
         try:
             jsonschema.validate(json.loads(text), schema)
         except (json.JSONDecodeError, jsonschema.ValidationError):
