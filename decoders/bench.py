@@ -28,7 +28,8 @@ import_plugins_from_argv()  # before Hydra composes, so plugin proposers are val
 
 from decoders.cli.config import CONF_DIR  # noqa: E402
 from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
-from decoders.evaluation.benchmark import format_table, publish, run_benchmark  # noqa: E402
+from decoders.evaluation.bench_results import format_table, publish  # noqa: E402
+from decoders.evaluation.benchmark import run_benchmark  # noqa: E402
 from decoders.models.loading import resolve_device  # noqa: E402
 
 

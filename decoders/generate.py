@@ -70,7 +70,7 @@ def main(cfg: DictConfig) -> None:
         max_new_tokens=cfg.max_new_tokens,
         stop_strings=stop_strings(cfg.stop),
         chat_template=cfg.chat_template,
-        round_gate=bool(cfg.get("round_gate", False)),
+        round_gate=cfg.round_gate,
     )
     if constraint is not None:
         constraint = pipeline.constraint(constraint)

@@ -23,7 +23,7 @@ import_plugins_from_argv()  # before Hydra composes, so plugin proposers are val
 
 from decoders.cli.config import CONF_DIR  # noqa: E402
 from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
-from decoders.evaluation.benchmark import format_table  # noqa: E402
+from decoders.evaluation.bench_results import format_table  # noqa: E402
 from decoders.evaluation.plots import bench_plots  # noqa: E402
 from decoders.evaluation.replay import run_replay  # noqa: E402
 

@@ -55,7 +55,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
 from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Proposer, constrained_rows, draft_token
+from decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
 from decoders.models.loading import (
@@ -66,11 +66,12 @@ from decoders.models.loading import (
     resolve_dtype,
     tiny_draft_model,
 )
-from decoders.models.session import ModelSession
+from decoders.models.target import Target
 from decoders.sizing.dynamic_tree import DynamicTree
 from proposers.vocabulary import ReducedVocabulary
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+AUTO_VOCAB_SIZE = 4096  # vocab_size: auto (FR-Spec's vocabulary; measured best on the default target)
 FROM_TARGET_FILE = "from_target.json"  # what a shipped draft takes from its target (train/ship.py)
 
 
@@ -80,21 +81,29 @@ class IncompatibleTokenizerError(ValueError):
 
 @register_proposer("draft_model")
 class DraftModelProposer(Proposer):
+    artifact = "draft_model"
+    trainer = "train.draft_model"
+    presets = (Preset("draft_model_chain", {"tree": False, "k": 4}),)
+
     @dataclass
     class Config:
-        k: int = 4  # tokens drafted per round (the tree's depth with tree=true)
+        # The defaults are the best configuration measured on the default target (held-out
+        # Spec-Bench, float32: 1.07x where the chain of 4 over the full vocabulary ran 0.53x):
+        # a one-level dynamic tree over the 4,096 likeliest tokens, sized from T(n).
+        k: int = 1  # tokens drafted per round (the tree's depth with tree=true)
         # HF directory or hub id of the draft; null = the default draft for the target
         # (a smaller seeded model for tiny-random, the distilled draft under artifacts/).
         name_or_path: str | None = None
         dtype: str = "auto"
-        tree: bool = False  # EAGLE-2-style dynamic tree instead of a chain
+        tree: bool = True  # EAGLE-2-style dynamic tree; false: a chain of k tokens
         tree_width: int = 4  # children per expanded node, and nodes expanded per level
         # nodes kept after reranking: an int; "auto" (each round's best size from the target's
         # cost curve and the acceptance measured per depth and confidence); null = all
-        tree_budget: Any = 16
+        tree_budget: Any = "auto"
         # null = the full vocabulary; N = draft only over the N tokens the target outputs
-        # most often (FR-Spec), from draft_vocab.json next to the distilled draft
-        vocab_size: int | None = None
+        # most often (FR-Spec), from draft_vocab.json next to the distilled draft; "auto" =
+        # 4,096 of them where the draft has that file, else the full vocabulary
+        vocab_size: Any = "auto"
         min_confidence: float = 0.0  # end a chain draft at a token the draft gives less probability (0 = off)
 
     def __init__(self, config: Config, context) -> None:
@@ -105,16 +114,25 @@ class DraftModelProposer(Proposer):
         draft_dir = self._draft_dir()
         # which draft ran: the user's, the shipped one, a hub/path draft (None: the seeded tiny draft)
         self.artifact = artifact_source(draft_dir) if draft_dir is not None else None
-        self.model = self._load_draft(draft_dir)
-        self.session = ModelSession(self.model)
+        self.draft = self._load_draft(draft_dir)  # the draft model as a Target of its own
+        self.model = self.draft.model
+        self.session = self.draft.session()
         self.vocabulary: DraftVocabulary | None = None
-        if config.vocab_size is not None:
-            self.vocabulary = DraftVocabulary.load(draft_dir, config.vocab_size)
+        vocab_size = config.vocab_size
+        if vocab_size == "auto":
+            ranked = draft_dir is not None and (draft_dir / DRAFT_VOCAB_FILE).exists()
+            vocab_size = DraftVocabulary.ranked_size(draft_dir, AUTO_VOCAB_SIZE) if ranked else None
+        if vocab_size is not None:
+            self.vocabulary = DraftVocabulary.load(draft_dir, vocab_size)
             self.session.lm_head = self.vocabulary.head(self.session.lm_head)
         self._draft_start = 0  # committed tokens when the last draft was made
         self._fed_parents: list[int] = []  # tree structure of the drafted entries cached after them
         self._fed_of_node: list[int | None] = []  # the last draft's nodes -> their fed entry (None: not fed)
         self._keep_fed: list[int] = []  # fed entries along the last observed round's accepted path
+
+    @property
+    def drafts_trees(self) -> bool:
+        return self.config.tree
 
     @property
     def sampled(self) -> bool:
@@ -126,7 +144,7 @@ class DraftModelProposer(Proposer):
         context = self.context
         if self.config.name_or_path is not None:
             return Path(self.config.name_or_path)
-        artifact = context.artifact_path("draft_model")
+        artifact = context.artifact_path(self.artifact)
         if (artifact / "config.json").exists():
             return artifact
         if context.model_config.name == "tiny-random":
@@ -137,19 +155,19 @@ class DraftModelProposer(Proposer):
             "or point proposer.name_or_path at a Hugging Face causal LM with the same tokenizer."
         )
 
-    def _load_draft(self, draft_dir: Path | None) -> torch.nn.Module:
+    def _load_draft(self, draft_dir: Path | None) -> Target:
         target = self.context.target
         if draft_dir is None:
-            return tiny_draft_model(target)
+            return Target(tiny_draft_model(target.model))
         path = str(draft_dir)
         dtype = self.config.dtype
         if dtype == "auto":
-            dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
-        device = str(next(target.parameters()).device)
+            dtype = str(target.dtype).removeprefix("torch.")
+        device = str(target.device)
         model_config = ModelConfig(name="hf", name_or_path=path, dtype=dtype, device=device)
         if (draft_dir / FROM_TARGET_FILE).exists():
             with readable_artifact(draft_dir, "python -m train drafter=draft_model"):
-                return load_draft_sharing_target(draft_dir, target, model_config)
+                return load_draft_sharing_target(draft_dir, target.model, model_config)
         model, tokenizer = load_model(model_config)
         check_same_tokenizer(self.context.tokenizer, tokenizer, path)
         return model
@@ -257,7 +275,7 @@ class DraftModelProposer(Proposer):
         return facts
 
 
-def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: ModelConfig) -> Target:
     """Load a draft stored without what it shares with its target (``python -m train.ship``).
 
     ``from_target.json`` lists the tensors the draft took unchanged from the target
@@ -324,6 +342,11 @@ class DraftVocabulary(ReducedVocabulary):
     Stored as ``draft_vocab.json`` with a draft: ``token_ids`` ranked most frequent
     first in the target's own outputs, and their ``counts``; the first N are used.
     """
+
+    @staticmethod
+    def ranked_size(draft_dir: Path, most: int) -> int:
+        """``most``, or fewer if ``draft_dir``'s draft_vocab.json ranks fewer tokens."""
+        return min(most, len(json.loads((draft_dir / DRAFT_VOCAB_FILE).read_text())["token_ids"]))
 
     @classmethod
     def load(cls, draft_dir: Path | None, size: int) -> DraftVocabulary:

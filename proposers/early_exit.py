@@ -49,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
 from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Proposer, constrained_rows, draft_token
+from decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
 from decoders.models.layered import LayeredDecoder, check_layered_equivalence
@@ -179,6 +179,11 @@ def exit_artifact_dir(context, exit_layer: int) -> Path:
 
 @register_proposer("early_exit")
 class EarlyExitProposer(Proposer):
+    artifact = "early_exit"  # optional: without it the exit is the target's own norm and head
+    trainer = "train.early_exit"
+    # the shipped trained exit of the default target (30 layers): cannot pay there (0.98x)
+    presets = (Preset("early_exit_trained", {"exit_layer": 8, "trained": True, "min_confidence": 0.5}),)
+
     @dataclass
     class Config:
         k: int = 4  # tokens drafted per round
@@ -192,7 +197,7 @@ class EarlyExitProposer(Proposer):
         adaptive: bool = True
 
     def __init__(self, config: Config, context) -> None:
-        target = context.target
+        target = context.target.model  # the exit reads the target's layers, norm and head
         num_layers = target.config.num_hidden_layers
         exit_layer = config.exit_layer if config.exit_layer is not None else max(num_layers // 2, 1)
         # Record the resolved layer: results and the hf_early_exit peer read it from the config.
@@ -231,7 +236,7 @@ class EarlyExitProposer(Proposer):
         return True  # the shallow layers run in the target's session; verify_forward reuses them
 
     def _load_exit(self) -> ExitHead:
-        target = self.context.target
+        target = self.context.target.model
         if not (self.config.trained or self.config.adapter_path):
             return ExitHead(target, self.exit_layer)
         if self.config.adapter_path:
@@ -257,7 +262,7 @@ class EarlyExitProposer(Proposer):
         return head
 
     def begin(self, state) -> None:
-        modules = self.exit_head.layer_modules(self.context.target)
+        modules = self.exit_head.layer_modules(self.context.target.model)
         self.layered = LayeredDecoder(state.session, modules)
         self._round = None
 
@@ -355,14 +360,14 @@ class EarlyExitProposer(Proposer):
 
     def _layered(self, session: ModelSession) -> LayeredDecoder:
         if self.layered is None or self.layered.session is not session:
-            self.layered = LayeredDecoder(session, self.exit_head.layer_modules(self.context.target))
+            self.layered = LayeredDecoder(session, self.exit_head.layer_modules(self.context.target.model))
         return self.layered
 
     def describe(self) -> dict:
         return {
             **({"draft_length_rates": self.policy.as_dict()} if self.policy is not None else {}),
             "exit_layer": self.exit_layer,
-            "num_layers": self.context.target.config.num_hidden_layers,
+            "num_layers": self.context.target.num_layers,
             "kv_reuse": self.kv_reuse,
             "trained": bool(self.config.trained or self.config.adapter_path),
             "artifact": self.artifact,

@@ -37,13 +37,13 @@ the cut never depends on a sampled token and sampling stays lossless. Members
 still size their own drafts first, each as if alone; the joint cut removes what
 the joined pass cannot afford. (Without it, measured on an AVX2-only CPU where
 wide passes cost most, the merge of suffix decoding and the copy heads' dynamic
-tree ran 1.27x and 1.19x against 1.42x and 1.31x with it: README, "Merging
+tree ran 1.27x and 1.19x against 1.42x and 1.31x with it: docs/merge.md, "Merging
 drafters".) ``joint_budget=false`` sends every member's draft whole.
 
 At temperature > 0 the default heads member drafts a sampled tree (its
 ``when_sampling``), which is kept whole; suffix decoding's point masses are cut.
 
-Example: ``proposer=merge "proposer.members=[{name:suffix},{name:medusa,tree:dynamic,tree_budget:auto}]"``.
+Example: ``proposer=merge "proposer.members=[suffix,{name:copy_heads,tree_width:3}]"``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class MergeProposer(Proposer):
         members: list[Any] = field(
             default_factory=lambda: [
                 {"name": "suffix"},
-                {"name": "medusa", "tree": "dynamic", "tree_budget": "auto"},
+                {"name": "copy_heads"},
             ]
         )
         # size the joined tree as a whole from the members' estimates (see the module docstring);
@@ -103,6 +103,10 @@ class MergeProposer(Proposer):
         self.cut_nodes = 0  # nodes the joint budget cut, over all rounds
         self.merged_nodes = 0  # nodes saved by shared prefixes, over all rounds
         self.own_nodes = [0] * len(self.members)  # nodes only this member proposed
+
+    @property
+    def drafts_trees(self) -> bool:
+        return True  # the members' drafts joined into one tree
 
     @property
     def sampled(self) -> bool:

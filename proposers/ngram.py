@@ -28,6 +28,10 @@ from decoders.sizing.draft_length import DraftLengthPolicy
 
 @register_proposer("ngram")
 class NgramProposer(Proposer):
+    @property
+    def drafts_trees(self) -> bool:
+        return self.config.branches > 1
+
     @dataclass
     class Config:
         k: int = 5  # tokens proposed per continuation

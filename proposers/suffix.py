@@ -73,6 +73,10 @@ class Candidate:
 
 @register_proposer("suffix")
 class SuffixProposer(Proposer):
+    @property
+    def drafts_trees(self) -> bool:
+        return True  # what followed every match, as one tree
+
     @dataclass
     class Config:
         k: int = 8  # deepest path of a draft tree (tokens after the pending one)

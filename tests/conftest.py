@@ -78,7 +78,10 @@ def tiny_config() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_config):
-    return load_model(tiny_config)
+    """(module, tokenizer): the tiny float64 target as transformers builds it (its Target
+    leaves float64 passes as they are; each pipeline over it wraps it in one)."""
+    target, tokenizer = load_model(tiny_config)
+    return target.model, tokenizer
 
 
 @pytest.fixture()

@@ -27,7 +27,14 @@ NEW_TOKENS = 48
 
 def draft_spec(arch: Architecture, **options) -> dict:
     dtype = str(arch.dtype).removeprefix("torch.")
-    return {"name": "draft_model", "name_or_path": str(loaded(arch)[1]), "dtype": dtype, **options}
+    return {
+        "name": "draft_model",
+        "tree": False,
+        "k": 4,
+        "name_or_path": str(loaded(arch)[1]),
+        "dtype": dtype,
+        **options,
+    }
 
 
 PIPELINES = {
@@ -168,13 +175,12 @@ def test_exact_auto_goes_off_where_the_check_fails(monkeypatch, capsys):
     """model.exact=auto (on for bfloat16 on CPU) switches exact mode off, saying why, where
     the start-up check finds the rows not bit-identical on this machine or architecture."""
     from decoders.models import invariance
-    from decoders.models.kernels import exact_passes
     from decoders.models.loading import ModelConfig, load_model
 
     failing = invariance.InvarianceReport(0, 5, 0, 6, max_difference=1e-3)
     monkeypatch.setattr(invariance, "check_pass_invariance", lambda model: failing)
     model, _ = load_model(ModelConfig(name="tiny-random", dtype="bfloat16", exact="auto"))
-    assert not exact_passes(model)
+    assert not model.exact and not model.exact_attention
     assert "but verification rows NOT bit-identical" in capsys.readouterr().err
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from decoders.evaluation import benchmark as bench
+from decoders.evaluation import bench_results, contenders, scheduling
 from decoders.evaluation.metrics import Record, first_divergence, physical_limit, repeat_spread
 from tests.bench_helpers import run_bench, tiny_overrides, write_workload
 
@@ -38,14 +38,14 @@ def test_bench_cli_greedy_two_turns_with_repeats_and_peers(drafting_pays, tmp_pa
     """Every DESIGN.md field, lossless greedy outputs, turn 2 fed the model's first answer."""
     workload = write_workload(tmp_path)
     fed_answers: dict[str, str | None] = {}
-    turn_ids = bench.turn_ids
+    turn_ids = scheduling.turn_ids
 
     def spy(pipeline, prompt, turn, first_answer):
         if turn == 1:
             fed_answers[prompt.id] = first_answer
         return turn_ids(pipeline, prompt, turn, first_answer)
 
-    monkeypatch.setattr(bench, "turn_ids", spy)
+    monkeypatch.setattr(scheduling, "turn_ids", spy)
     run_dir = tmp_path / "run"
     overrides = ["proposer=ngram", "workload.turns=2", "bench.repeats=2", "bench.peers=true"]
     run_bench(monkeypatch, tiny_overrides(workload, f"hydra.run.dir={run_dir}", *overrides))
@@ -121,7 +121,7 @@ def test_bench_cli_sampling(tmp_path, monkeypatch):
 def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch, capsys):
     """Ctrl-C during the third prompt: results.json holds the two finished prompts, and
     the command says so and exits with status 130, without a traceback."""
-    make_contender = bench.pipeline_contender
+    make_contender = contenders.pipeline_contender
 
     def interrupting_contender(pipeline, *names):
         contender = make_contender(pipeline, *names)
@@ -142,7 +142,7 @@ def test_interrupted_benchmark_keeps_finished_prompts(tmp_path, monkeypatch, cap
         contender.run, contender.start = until_third_prompt(run), until_third_prompt(start)
         return contender
 
-    monkeypatch.setattr(bench, "pipeline_contender", interrupting_contender)
+    monkeypatch.setattr(contenders, "pipeline_contender", interrupting_contender)
     run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         run_bench(
@@ -236,7 +236,7 @@ def test_default_pipelines_skip_the_ones_without_a_trained_artifact(tmp_path, mo
 
 
 def test_bench_pipelines_list_rejects_a_malformed_entry():
-    from decoders.evaluation.benchmark import listed_pipeline
+    from decoders.evaluation.contenders import listed_pipeline
 
     for entry in ({"verifier": "greedy"}, 3):
         with pytest.raises(ValueError, match="bench.pipelines entry"):
@@ -247,7 +247,7 @@ def test_bench_pipelines_that_differ_by_options_get_names_of_their_own():
     """Results are kept by name: two unlabelled entries of one proposer with different
     options must not pool their records under "proposer+verifier"."""
     from decoders.engine.pipeline import Pipeline
-    from decoders.evaluation.benchmark import listed_pipeline, with_unique_names
+    from decoders.evaluation.contenders import listed_pipeline, with_unique_names
     from decoders.models.loading import ModelConfig, load_model
 
     model_cfg = ModelConfig(name="tiny-random", dtype="float64")
@@ -302,13 +302,13 @@ def test_progress_labels_are_short_and_never_shared():
         "suffix(k=16,max_nodes=24)+tree, again",
         "ngram+greedy",
     ]
-    labels = bench.progress_labels(names)
+    labels = scheduling.progress_labels(names)
     assert list(labels) == names and len(set(labels.values())) == len(names)
     assert labels["ngram+greedy"] == "ngram+greedy" and labels["draft_model_tree"] == "draft_model_tree"
     assert labels["draft_model_tree (ungated)"] == "draft_mo…ngated)"
     assert all(len(labels[n]) == 16 for n in names[1:4])
     # a long name whose short label is taken (same start, same end) keeps its whole self
-    alike = bench.progress_labels(["suffix(k=16,max_nodes=24)+tree", "suffix(k=16,max_nodes=64)+tree"])
+    alike = scheduling.progress_labels(["suffix(k=16,max_nodes=24)+tree", "suffix(k=16,max_nodes=64)+tree"])
     assert alike == {
         "suffix(k=16,max_nodes=24)+tree": "suffix(k…4)+tree",
         "suffix(k=16,max_nodes=64)+tree": "suffix(k=16,max_nodes=64)+tree",
@@ -332,16 +332,16 @@ def test_slower_categories_name_each_one_and_mark_those_below_the_noise_band():
             entry("peer", "peer", {"a": 0.96, "b": 0.97, "c": 0.9649}),
         ]
     }
-    lines = bench.slower_categories(payload)
+    lines = bench_results.slower_categories(payload)
     assert lines[0] == "categories slower than standard decoding (* below the A/A band, 0.97x to 1.03x):"
     assert [line.split()[0] for line in lines[1:]] == ["slow", "peer"]  # fast and the twin: none below
     assert lines[1].endswith("b 0.93x*, a 0.99x")
     assert lines[2].endswith("a 0.96x*, c 0.96x*, b 0.97x")  # 0.97x is the band's edge: not below it
     # without the twin there is no band to star against; with no slower category, no lines
     no_twin = {"pipelines": [e for e in payload["pipelines"] if e["kind"] != "control"]}
-    assert bench.slower_categories(no_twin)[0] == "categories slower than standard decoding:"
-    assert "*" not in "".join(bench.slower_categories(no_twin))
-    assert bench.slower_categories({"pipelines": payload["pipelines"][:2]}) == []
+    assert bench_results.slower_categories(no_twin)[0] == "categories slower than standard decoding:"
+    assert "*" not in "".join(bench_results.slower_categories(no_twin))
+    assert bench_results.slower_categories({"pipelines": payload["pipelines"][:2]}) == []
 
 
 def test_peer_selection():
@@ -365,13 +365,15 @@ def test_the_default_quickstart_leaves_out_what_cannot_pay():
 
     from tests.conftest import REPO_ROOT
 
+    import decoders.evaluation.bench_config  # noqa: F401  (stores bench=default, as the command line does)
+
     with initialize_config_dir(config_dir=f"{REPO_ROOT}/conf", version_base=None):
         quick = compose(config_name="bench")
         full = compose(config_name="bench", overrides=["experiment=full_set"])
-    labels = [entry["label"] for entry in quick.bench.default_pipelines]
-    assert "early_exit" not in labels and "copy_heads_tree" in labels
+    labels = list(quick.bench.default_pipelines)
+    assert "early_exit_trained" not in labels and "copy_heads" in labels
     assert list(quick.bench.default_peers) == ["hf_generate", "hf_prompt_lookup"]
-    assert [e["label"] for e in full.bench.default_pipelines] == labels + ["early_exit"]
+    assert list(full.bench.default_pipelines) == labels + ["early_exit_trained"]
     assert full.bench.peers == "all"
 
 
@@ -388,5 +390,5 @@ def test_the_table_warns_when_the_aa_twin_is_outside_three_percent(speedup, warn
     for entry in payload["pipelines"]:
         entry.update(mean_accepted_tokens=1.0, acceptance_rate=None, identical_outputs=1.0)
         entry.update(ideal_speedup=None, efficiency=None, categories={})
-    last = bench.format_table(payload).splitlines()[-1]
+    last = bench_results.format_table(payload).splitlines()[-1]
     assert last.startswith("warning: the A/A twin ran at 0.940x") if warns else "within ±3%" in last

@@ -211,13 +211,19 @@ SAMPLED_PIPELINES = [
     ("grammar", "rejection"),  # forced tokens
     ({"name": "ngram", "branches": 3}, "tree"),  # deterministic tree
     ({"name": "draft_model", "k": 3, "tree": True}, "tree"),  # deterministic dynamic tree
-    ({"name": "draft_model", "k": 3, "name_or_path": SELF_DRAFT}, "rejection"),  # sampled chain, q cut
+    (
+        {"name": "draft_model", "tree": False, "k": 3, "name_or_path": SELF_DRAFT},
+        "rejection",
+    ),  # sampled chain, q cut
     # i.i.d. sampled siblings, each cut (or kept) on its own
     ({"name": "merge", "members": [{"name": "draft_model", "k": 2, "name_or_path": SELF_DRAFT}] * 2}, "tree"),
     (
         {
             "name": "merge",
-            "members": ["grammar", {"name": "draft_model", "k": 2, "name_or_path": SELF_DRAFT}],
+            "members": [
+                "grammar",
+                {"name": "draft_model", "tree": False, "k": 2, "name_or_path": SELF_DRAFT},
+            ],
         },
         "tree",
     ),

@@ -13,6 +13,7 @@ from decoders import Pipeline
 from decoders.models import cost
 from decoders.models.cost import COST_CURVE_ENV, cached_cost_curve
 from decoders.models.loading import ModelConfig, load_model
+from decoders.models.target import Target
 from decoders.sizing.draft_length import DraftLengthPolicy
 from tests.conftest import random_prompts
 
@@ -35,7 +36,6 @@ class FakeClock:
 @pytest.fixture
 def measuring(monkeypatch):
     monkeypatch.delenv(COST_CURVE_ENV, raising=False)  # measure, as a user's run does
-    monkeypatch.setattr(cost, "_UNCACHED", {})
 
     def use(clock: FakeClock) -> None:
         monkeypatch.setattr(cost, "clock", clock)
@@ -58,8 +58,21 @@ def test_a_sweep_under_load_is_used_but_not_cached(tiny_model, tmp_path, measuri
     assert curve.disturbance > cost.DISTURBED and set(curve.seconds.values()) == {1.0}
     assert not list(tmp_path.glob("tiny-*.json"))
     assert "not cached" in capsys.readouterr().err
-    measuring(FakeClock())  # a quiet machine now, but this process keeps what it measured
-    assert cached_cost_curve(model, "tiny", tmp_path) is curve
+    measuring(FakeClock())  # a quiet machine now: measured again, and this time cached
+    assert cached_cost_curve(model, "tiny", tmp_path).disturbance == 1.0
+    assert list(tmp_path.glob("tiny-*.json"))
+
+
+def test_a_target_keeps_its_disturbed_curve_for_its_life(tiny_model, tmp_path, measuring):
+    """A curve measured under load is not cached, but its target keeps it: the pipelines
+    over that target do not measure again (nothing held in a module global)."""
+    target = Target(tiny_model[0])
+    measuring(FakeClock(spike_every=2))
+    curve = target.cost_curve("tiny", tmp_path)
+    assert curve.disturbance > cost.DISTURBED and not list(tmp_path.glob("tiny-*.json"))
+    measuring(FakeClock())
+    assert target.cost_curve("tiny", tmp_path) is curve
+    assert Target(tiny_model[0]).cost_curve("tiny", tmp_path) is not curve  # another target measures
 
 
 # ---------------------------------------------------------------- the live curve
@@ -133,14 +146,14 @@ def test_generation_times_its_passes_for_the_live_curve(measuring, tmp_path):
     )
     off.context.cost_curve()
     off.generate(prompt)
-    assert cost.pass_times(model) is None
+    assert model.pass_times() is None
     speculative = Pipeline(model, tokenizer, {"name": "ngram"}, model_config=ModelConfig(name="tiny-random"))
-    assert speculative.context.cost_curve() is cost.pass_times(model).curve
+    assert speculative.context.cost_curve() is model.pass_times().curve
     result = speculative.generate(prompt, max_new_tokens=24)
     baseline = speculative.with_components(None, None).generate(prompt, max_new_tokens=8)
     widths = Counter(size + 1 for size in result.stats.draft_sizes)  # the pending token + the draft
     widths[1] += baseline.stats.target_passes
-    recorded = {n: len(samples) for n, samples in cost.pass_times(model).samples.items()}
+    recorded = {n: len(samples) for n, samples in model.pass_times().samples.items()}
     assert recorded == dict(widths) and baseline.stats.target_passes and max(widths) > 1
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decoders.models import cpu
-from decoders.models.kernels import PackedProduct, route_narrow_linears, wants_narrow_routing
+from decoders.models.kernels import PackedProduct, linear_route, route_narrow_linears, wants_narrow_routing
 from decoders.models.loading import ModelConfig, load_model, resolve_dtype
 from decoders.models.session import ModelSession
 from tests.conftest import REPO_ROOT, requires_cpu
@@ -63,7 +63,7 @@ def test_bfloat16_without_onednn_takes_f_linear(cpu_without):
         for rows in (1, 3, 8, 60):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
             assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert not hasattr(layer, "_packed")
+    assert layer not in linear_route(layer).packed
     assert not wants_narrow_routing("auto", torch.device("cpu"), torch.bfloat16)
     assert PackedProduct.of(layer.weight) is None
     assert (PackedProduct.of(layer.weight.float()) is None) == (not cpu.has("onednn_f32_linear"))

@@ -81,8 +81,10 @@ def test_distillation_raises_acceptance_on_heldout_prompts(distilled, tiny_model
     initial_dir = tmp_path / "initial"
     build_draft(standard.model, [0]).save_pretrained(initial_dir)
     standard.tokenizer.save_pretrained(initial_dir)
-    trained = standard.with_components("draft_model", "greedy")
-    initial = standard.with_components({"name": "draft_model", "name_or_path": str(initial_dir)}, "greedy")
+    trained = standard.with_components({"name": "draft_model", "tree": False, "k": 4}, "greedy")
+    initial = standard.with_components(
+        {"name": "draft_model", "tree": False, "k": 4, "name_or_path": str(initial_dir)}, "greedy"
+    )
     counts = {"trained": [0, 0], "initial": [0, 0]}  # accepted, proposed
     prompts = heldout_prompts(standard, distilled)
     assert len(prompts) >= 4
@@ -178,7 +180,9 @@ def test_shipped_draft_stores_only_what_differs_from_the_target(distilled, tiny_
     assert (shipped / DRAFT_VOCAB_FILE).exists()
 
     standard = pipeline_over(tiny_model, tiny_config, distilled)
-    from_ship = standard.with_components({"name": "draft_model", "name_or_path": str(shipped)}, "greedy")
+    from_ship = standard.with_components(
+        {"name": "draft_model", "tree": False, "k": 4, "name_or_path": str(shipped)}, "greedy"
+    )
     draft = from_ship.proposer.model
     assert draft.get_input_embeddings().weight is target.get_input_embeddings().weight
     layer = "model.layers.0.mlp.up_proj.weight"
@@ -203,7 +207,7 @@ def test_a_draft_for_another_target_is_refused(distilled, tiny_model, tmp_path):
 
 
 def reduced_spec(**options) -> dict:
-    return {"name": "draft_model", "vocab_size": REDUCED, **options}
+    return {"name": "draft_model", "tree": False, "k": 4, "vocab_size": REDUCED, **options}
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": True, "k": 3, "tree_width": 3}], ids=["chain", "tree"])

@@ -17,7 +17,8 @@ from decoders.engine.sampling import SamplingConfig
 from decoders.engine.state import DecodeState
 from decoders.models.session import ModelSession
 from proposers.eagle.artifact import CONFIG_FILE, load_artifact
-from proposers.eagle.drafter import LayerTap, resolve_layers, target_features
+from decoders.models.target import Target
+from proposers.eagle.drafter import resolve_layers, target_features
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
 from tests.test_train import compose_train
@@ -78,15 +79,14 @@ def test_feature_layers_resolve_like_hidden_state_indices():
 
 def test_the_tap_gives_the_targets_hidden_states(tiny_model):
     """Intermediate features from the forward hooks equal transformers' hidden_states."""
-    model, _ = tiny_model
-    tap = LayerTap.of(model)
-    tap.watch([0])
-    session = ModelSession(model)
+    target = Target(tiny_model[0])
+    tap = target.tap([0])
+    session = target.session()
     tokens = random_prompts(1, seed=2)[0]
     session.forward(tokens)
     features = target_features([1, 2], 2, session.hidden, tap)  # (q, 2 * hidden)
     with torch.no_grad():
-        reference = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        reference = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(features, torch.cat([reference[1][0], reference[2][0]], -1))
 
 
@@ -112,7 +112,7 @@ def test_drafts_follow_the_training_time_test_forward(base):
     sequence = state.tokens + draft.tokens  # prompt, pending, drafted
     session.reset()
     session.forward(sequence[:-1])
-    tap = LayerTap.of(base.model)
+    tap = base.target.tap([])
     features = target_features(drafter.feature_layers, 2, session.hidden, tap)
     data = {"tokens": [sequence], "prompt_len": [len(prompt)], "features": [features]}
     rows = padded(data, [0], drafter.device)
@@ -245,7 +245,7 @@ def test_dynamic_tree_nodes_are_their_parents_top_children(base):
         sequence = state.tokens + path + [draft.tokens[node]]
         check = ModelSession(base.model)
         check.forward(sequence[:-1])
-        features = target_features(drafter.feature_layers, 2, check.hidden, LayerTap.of(base.model))
+        features = target_features(drafter.feature_layers, 2, check.hidden, base.target.tap([]))
         rows = padded(
             {"tokens": [sequence], "prompt_len": [len(prompt)], "features": [features]}, [0], drafter.device
         )

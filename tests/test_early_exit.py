@@ -29,7 +29,8 @@ def deep_config() -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def deep_model(deep_config):
-    return load_model(deep_config)
+    target, tokenizer = load_model(deep_config)
+    return target.model, tokenizer
 
 
 @pytest.fixture()
@@ -289,7 +290,7 @@ def test_decoders_that_do_more_than_stack_layers_are_refused(deep_config):
     """A decoder whose forward changes the embeddings before layer 0 (as Gemma's did
     before its scaling moved into the embedding module): range-by-range runs would
     silently differ, so the equivalence probe refuses the model."""
-    model, _ = load_model(deep_config)
+    model = load_model(deep_config)[0].model
     decoder_forward = model.model.forward
 
     def scaled_forward(input_ids=None, **kwargs):

@@ -15,15 +15,10 @@ from decoders.evaluation.audit import decided_rows
 from decoders.evaluation.workloads import WorkloadConfig, load_workload
 from decoders.models import exact_attention
 from decoders.models.invariance import check_pass_invariance
-from decoders.models.kernels import (
-    configure_passes,
-    exact_passes,
-    route_narrow_linears,
-    wants_exact,
-    widest_exact_pass,
-)
+from decoders.models.kernels import linear_route, route_narrow_linears, wants_exact
 from decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
 from decoders.models.session import ModelSession
+from decoders.models.target import Target
 from tests.conftest import cpu_for, random_prompts, split_dtype
 from tests.test_greedy_identity import lossless_verifiers, pipeline_or_skip
 
@@ -33,7 +28,7 @@ DTYPES = ["float64", "float32", "bfloat16", "bfloat16-avx2"]  # -avx2: on F.line
 WIDE_TREE = [-1, -1, 0, 0, 1, 2, 2, 3, 4, 6, 6, 9]
 
 
-def exact_tiny(dtype: str, exact: str = "true") -> torch.nn.Module:
+def exact_tiny(dtype: str, exact: str = "true") -> Target:
     """A tiny model in exact mode; ``bfloat16-avx2`` loads it as an AVX2-only CPU would
     (the routes are chosen at load time)."""
     with cpu_for(dtype):
@@ -43,7 +38,7 @@ def exact_tiny(dtype: str, exact: str = "true") -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module", params=DTYPES)
-def exact_model(request) -> torch.nn.Module:
+def exact_model(request) -> Target:
     return exact_tiny(request.param)  # its routes stay those chosen at load
 
 
@@ -91,10 +86,10 @@ def test_exact_attention_computes_attention():
     """Same attention as SDPA (float64, up to rounding) over chains and trees,
     narrow passes after prefixes around the chunk boundaries and a wide prefill."""
     sdpa = tiny_random_model(320, 64, 2, seed=3).double()
-    exact = tiny_random_model(320, 64, 2, seed=3).double()
+    exact = Target(tiny_random_model(320, 64, 2, seed=3).double())
     assert sdpa.config._attn_implementation == "sdpa"
-    configure_passes(exact, narrow=False, exact=True)
-    assert exact_passes(exact) and not exact_passes(sdpa)
+    exact.configure(narrow=False, exact=True)
+    assert exact.exact and exact.exact_attention and not Target(sdpa).exact
     for prefix_len in (3, 64, 100):
         prefix = list(range(10, 10 + prefix_len))
         for tokens, parents in ((list(range(200, 206)), None), (list(range(200, 212)), WIDE_TREE)):
@@ -104,7 +99,8 @@ def test_exact_attention_computes_attention():
 
 
 def test_exact_mode_switches_off_and_on():
-    """configure_passes (the benchmark's exact-off twins) gives what loading each mode gives."""
+    """Target.configure (the benchmark's exact-off twins) gives what loading each mode gives,
+    and closing the target gives the model back as it was built."""
     switched = exact_tiny("float32")
     plain = exact_tiny("float32", exact="false")
     prefix, tokens = list(range(30, 100)), list(range(5, 10))
@@ -115,10 +111,10 @@ def test_exact_mode_switches_off_and_on():
         return session.forward(tokens)
 
     exact_logits = logits(switched)
-    configure_passes(switched, narrow=True, exact=False)
-    assert not exact_passes(switched)
+    switched.configure(narrow=True, exact=False)
+    assert not switched.exact and not switched.exact_attention
     assert torch.equal(logits(switched), logits(plain))
-    configure_passes(switched, narrow=True, exact=True)
+    switched.configure(narrow=True, exact=True)
     assert torch.equal(logits(switched), exact_logits)
 
 
@@ -166,7 +162,7 @@ def test_drafts_wider_than_an_exact_pass_are_cut_to_fit(dtype, trained_artifacts
     if split_dtype(dtype)[1]:
         cpu_without()
     model = exact_tiny(dtype)
-    widest = widest_exact_pass(model)
+    widest = model.widest_exact_pass
     assert widest is not None and widest < 61
     base = Pipeline(
         model, None, model_config=ModelConfig(name="tiny-random"), artifacts_dir=trained_artifacts
@@ -179,7 +175,7 @@ def test_drafts_wider_than_an_exact_pass_are_cut_to_fit(dtype, trained_artifacts
         assert_bit_identical(base, pipeline, prompt, 24)
         sizes += pipeline.generate(prompt, 24).stats.draft_sizes
     assert max(sizes) == widest - 1  # the proposer's wider trees were cut, not sent whole
-    assert widest_exact_pass(exact_tiny(dtype, exact="false")) is None
+    assert exact_tiny(dtype, exact="false").widest_exact_pass is None
 
 
 @pytest.mark.parametrize("verifier", lossless_verifiers())
@@ -302,8 +298,9 @@ def test_passes_wider_than_the_measured_product_run_in_blocks(spelled, cpu_witho
     torch.manual_seed(0)
     layer = torch.nn.Linear(1536, 96, bias=True).to(dtype)
     route_narrow_linears(layer, transposed=False, exact=True)
-    assert 4 <= layer._exact_product_rows <= 48 and layer._exact_product_rows % 4 == 0
-    layer._exact_product_rows = 8  # as on a CPU whose kernels change from 12 rows
+    rows = linear_route(layer).product_rows
+    assert 4 <= rows[layer] <= 48 and rows[layer] % 4 == 0
+    rows[layer] = 8  # as on a CPU whose kernels change from 12 rows
     x = torch.randn(30, 1536).to(dtype)
     single = torch.cat([layer(x[i : i + 1]) for i in range(30)])
     for rows in (9, 16, 23, 30):

@@ -66,9 +66,10 @@ def test_eos_inside_a_draft_stops_generation(trained_pipeline, proposer):
 def test_confidence_stop_keeps_output_and_shortens_drafts(tiny_pipeline, proposer):
     """min_confidence ends a draft at a doubted token: same output, shorter drafts;
     at 1.01 nothing is ever confident enough, so every round is a plain step."""
-    full = pipeline_or_skip(tiny_pipeline, {"name": proposer, "k": 4}, "greedy")
-    cautious = tiny_pipeline.with_components({"name": proposer, "k": 4, "min_confidence": 0.5}, "greedy")
-    never = tiny_pipeline.with_components({"name": proposer, "k": 4, "min_confidence": 1.01}, "greedy")
+    chain = {"name": proposer, "k": 4} | ({"tree": False} if proposer == "draft_model" else {})
+    full = pipeline_or_skip(tiny_pipeline, chain, "greedy")
+    cautious = tiny_pipeline.with_components({**chain, "min_confidence": 0.5}, "greedy")
+    never = tiny_pipeline.with_components({**chain, "min_confidence": 1.01}, "greedy")
     proposed = {"full": 0, "cautious": 0}
     for prompt in random_prompts(4, seed=5):
         expected = tiny_pipeline.generate(prompt, 20).tokens
@@ -87,10 +88,11 @@ def test_confidence_stop_keeps_output_and_shortens_drafts(tiny_pipeline, propose
 DRAFT_SHAPES: dict[str, list[dict]] = {
     "ngram": [{}, {"branches": 2}],
     "suffix": [{}],
-    "draft_model": [{}, {"tree": True, "tree_budget": 8}],
+    "draft_model": [{}, {"tree": False, "k": 4}, {"tree": True, "k": 3, "tree_budget": 8}],
     "eagle": [{}, {"tree": True}],
     "early_exit": [{}, {"kv_reuse": False}],
     "medusa": [{}, {"tree": "auto"}, {"tree": "dynamic"}],
+    "copy_heads": [{}, {"tree": None, "tree_budget": None}],
     "merge": [{}],
     "grammar": [{}],
     "span": [

@@ -49,7 +49,9 @@ def test_draft_model_directory_with_another_tokenizer_fails_end_to_end(tiny_pipe
     other = Tokenizer(models.BPE(vocab=shuffled, merges=[]))
     PreTrainedTokenizerFast(tokenizer_object=other, eos_token="<eos>").save_pretrained(draft_dir)
     with pytest.raises(IncompatibleTokenizerError, match="draft must share"):
-        tiny_pipeline.with_components({"name": "draft_model", "name_or_path": str(draft_dir)}, "greedy")
+        tiny_pipeline.with_components(
+            {"name": "draft_model", "tree": False, "k": 4, "name_or_path": str(draft_dir)}, "greedy"
+        )
 
 
 def test_missing_draft_artifact_names_the_training_command(tiny_pipeline, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import torch
 
 from decoders.models.kernels import (
     PACKED_FROM,
+    linear_route,
     packed_route_available,
     route_narrow_linears,
     wants_narrow_routing,
@@ -35,9 +36,9 @@ def test_packed_route_serves_wide_float32_passes_and_follows_weight_changes():
     narrow, wide = torch.randn(PACKED_FROM - 1, 24), torch.randn(PACKED_FROM + 3, 24)
     with torch.no_grad():
         layer(narrow)
-        assert not hasattr(layer, "_packed")  # below PACKED_FROM: the transposed product
+        assert layer not in linear_route(layer).packed  # below PACKED_FROM: the transposed product
         torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias))
-        assert hasattr(layer, "_packed")
+        assert layer in linear_route(layer).packed
         layer.weight.mul_(2)  # changed in place: the packed copy must not go stale
         torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias))
     # with autograd on, the product stays one autograd can differentiate
@@ -53,7 +54,7 @@ def test_packed_route_takes_weights_made_in_inference_mode():
         route_narrow_linears(layer)
         x = torch.randn(PACKED_FROM + 3, 24)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert hasattr(layer, "_packed")
+    assert layer in linear_route(layer).packed
 
 
 @requires_cpu("onednn_bf16_linear")
@@ -69,7 +70,7 @@ def test_bfloat16_narrow_route_is_the_packed_linear_at_every_width():
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
             expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
             torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
-            assert hasattr(layer, "_packed")
+            assert layer in linear_route(layer).packed
         layer.weight.mul_(2)  # changed in place: the packed copy must not go stale
         expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
         torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
@@ -82,7 +83,7 @@ def test_packed_route_can_be_left_off():
     route_narrow_linears(layer, packed_from=None)
     with torch.no_grad():
         layer(torch.randn(PACKED_FROM + 3, 24))
-    assert not hasattr(layer, "_packed")
+    assert layer not in linear_route(layer).packed
 
 
 def test_padding_widths():
@@ -95,8 +96,8 @@ def test_padding_widths():
 def test_routing_keeps_the_model_outputs():
     plain, _ = load_model(ModelConfig(name="tiny-random", dtype="float32", narrow_passes="false"))
     routed, _ = load_model(ModelConfig(name="tiny-random", dtype="float32", narrow_passes="auto"))
-    assert all(not hasattr(m, "_narrow_max_rows") for m in plain.modules())
-    assert any(hasattr(m, "_narrow_max_rows") for m in routed.modules())
+    assert linear_route(plain.model) is None and not plain.narrow
+    assert linear_route(routed.model) is not None and routed.narrow
     tokens = list(range(40, 60))
     a, b = ModelSession(plain), ModelSession(routed)
     torch.testing.assert_close(a.forward(tokens[:12]), b.forward(tokens[:12]), rtol=1e-4, atol=1e-4)
@@ -127,8 +128,8 @@ def test_last_only_prefill_returns_the_last_row():
 
 def test_packed_attention_matches_sdpa_on_chains_and_trees():
     """GQA model (4 query heads over 2 key/value heads), chain and tree masks."""
-    from decoders.models.kernels import use_packed_gqa_attention
     from decoders.models.loading import tiny_random_model
+    from decoders.models.target import Target
 
     def gqa_model():
         model = tiny_random_model(320, 64, 2, seed=3)
@@ -136,7 +137,8 @@ def test_packed_attention_matches_sdpa_on_chains_and_trees():
 
     plain, packed = gqa_model(), gqa_model()
     assert plain.config.num_attention_heads // plain.config.num_key_value_heads == 2
-    assert use_packed_gqa_attention(packed)
+    packed = Target(packed, narrow=True)  # the narrow route: linears and packed GQA attention
+    assert packed.attention.startswith("specdec_sdpa")
     prefix = list(range(100, 130))
     parents = [-1, 0, 0, 1, 2, 2]
     for tokens, tree in ((list(range(5, 10)), None), (list(range(200, 206)), parents)):

@@ -136,7 +136,8 @@ def test_drafts_follow_the_peft_forward_over_the_draft_vocabulary(base):
 @pytest.mark.parametrize("sequential", [True, False])
 def test_save_load_round_trip_gives_identical_proposals(tmp_path, sequential):
     config = ModelConfig(name="tiny-random", dtype="float32")
-    model, tokenizer = load_model(config)
+    target, tokenizer = load_model(config)
+    model = target.model
     draft_vocab = torch.randperm(320)[:100].sort().values
     heads, peft_heads = build_heads(
         model.get_output_embeddings(),

@@ -151,7 +151,7 @@ def test_a_joint_budget_keeps_sampled_and_unestimated_nodes():
 
 
 MEMBERS = [
-    [{"name": "ngram", "k": 4}, {"name": "draft_model", "k": 3}],
+    [{"name": "ngram", "k": 4}, {"name": "draft_model", "tree": False, "k": 3}],
     [
         {"name": "draft_model", "tree": True, "k": 3, "tree_width": 2, "tree_budget": 5},
         {"name": "ngram", "branches": 2},

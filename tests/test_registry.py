@@ -109,7 +109,9 @@ def test_sampled_is_a_property_of_the_configured_proposer(tiny_pipeline):
 
     for name in proposer_registry.names():
         assert isinstance(inspect.getattr_static(proposer_registry.get(name), "sampled"), property), name
-    chain = tiny_pipeline.with_components({"name": "draft_model"}, "rejection").proposer
+    chain = tiny_pipeline.with_components(
+        {"name": "draft_model", "tree": False, "k": 4}, "rejection"
+    ).proposer
     tree = tiny_pipeline.with_components({"name": "draft_model", "tree": True}, "tree").proposer
     assert chain.sampled and not tree.sampled
 

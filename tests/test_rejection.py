@@ -428,7 +428,9 @@ def test_confidence_stopped_drafts_keep_the_distribution(small_vocab, tmp_path, 
     depends on q only, never on the drawn token, so the output stays p (chi-square).
     The early exit's adaptive length is off: it would learn to draft nothing here."""
     standard = small_pipeline(small_vocab, tmp_path, E2E_SAMPLING)
-    options = {"name": proposer, "k": 2, "min_confidence": 0.5}
+    options = {"name": proposer, "k": 2, "min_confidence": 0.5} | (
+        {"tree": False} if proposer == "draft_model" else {}
+    )
     if proposer == "early_exit":
         options["adaptive"] = False
     speculative = standard.with_components(options, "rejection", E2E_SAMPLING)
@@ -467,7 +469,13 @@ def test_draft_model_probs_are_its_processed_distribution(tmp_path, dtype):
     model, _ = load_model(config)
     sampling = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
     pipeline = Pipeline(
-        model, None, "draft_model", "rejection", sampling, model_config=config, artifacts_dir=tmp_path
+        model,
+        None,
+        {"name": "draft_model", "tree": False, "k": 4},
+        "rejection",
+        sampling,
+        model_config=config,
+        artifacts_dir=tmp_path,
     )
     draft_model = pipeline.proposer.model
     rounds = recorded_drafts(pipeline, REPETITIVE_PROMPT, 24)
@@ -509,7 +517,7 @@ def test_sampled_proposers_process_q_like_the_target(small_vocab, tmp_path, prop
 def test_nan_target_logits_raise_naming_the_prefill(tmp_path):
     config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float32", device="cpu")
     model, _ = load_model(config)
-    model.lm_head.weight.data[3, 0] = math.nan
+    model.model.lm_head.weight.data[3, 0] = math.nan
     pipeline = Pipeline(
         model, None, "ngram", "rejection", SAMPLED, model_config=config, artifacts_dir=tmp_path
     )
@@ -536,7 +544,13 @@ def test_nan_draft_logits_raise_naming_the_draft_model(tmp_path):
     config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float64", device="cpu")
     model, _ = load_model(config)
     pipeline = Pipeline(
-        model, None, "draft_model", "rejection", SAMPLED, model_config=config, artifacts_dir=tmp_path
+        model,
+        None,
+        {"name": "draft_model", "tree": False, "k": 4},
+        "rejection",
+        SAMPLED,
+        model_config=config,
+        artifacts_dir=tmp_path,
     )
     pipeline.proposer.model.lm_head.weight.data[:, 0] = math.nan
     with pytest.raises(NonFiniteLogitsError, match="draft model"):

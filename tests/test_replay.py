@@ -146,7 +146,7 @@ def test_replayed_passes_answer_only_rows_on_the_recorded_output(tiny_pipeline):
     prompt, tokens = [5, 6, 7], [8, 9, 10, 11]
     hidden = ModelSession(tiny_pipeline.model)
     hidden.forward(prompt + tokens, last_only=True)
-    session = ReplaySession(tiny_pipeline.model, Reference("p", "qa", 0, prompt, tokens, 0.0, hidden.hidden))
+    session = ReplaySession(tiny_pipeline.target, Reference("p", "qa", 0, prompt, tokens, 0.0, hidden.hidden))
     first = session.forward(prompt, last_only=True)
     assert first.shape[0] == 1 and int(first[0].argmax()) == 8 and session.hidden.shape[0] == 3
     session.forward([8])

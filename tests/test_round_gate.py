@@ -153,7 +153,7 @@ def test_pipelines_are_gated_only_when_asked(tiny_pipeline):
         is None
     )
     # a bench entry's own round_gate wins over the run's
-    from decoders.evaluation.benchmark import listed_pipeline, pipeline_contender
+    from decoders.evaluation.contenders import listed_pipeline, pipeline_contender
 
     entry = listed_pipeline(tiny_pipeline, {"proposer": "ngram", "round_gate": True}, None)
     assert entry.gate is not None and listed_pipeline(gated, {"proposer": "ngram"}, None).gate is not None
@@ -192,7 +192,7 @@ GATED = [  # every proposer that can be gated (early exit sizes itself), chains 
     ({"name": "suffix"}, "tree"),
     ({"name": "medusa"}, "greedy"),
     ({"name": "medusa", "tree": "dynamic"}, "tree"),
-    ({"name": "draft_model"}, "greedy"),
+    ({"name": "draft_model", "tree": False, "k": 4}, "greedy"),
     ({"name": "draft_model", "tree": True, "k": 2}, "tree"),
     ({"name": "eagle"}, "greedy"),
     ({"name": "merge", "members": [{"name": "suffix"}, {"name": "medusa", "tree": "dynamic"}]}, "tree"),

@@ -372,7 +372,7 @@ def test_tree_option_is_validated(tiny_model, tiny_config):
     context = PipelineContext(model, None, tiny_config)
     with pytest.raises(ValueError, match="tree_budget must be a positive integer, auto or null"):
         build(proposer_registry, {"name": "draft_model", "tree": True, "tree_budget": "big"}, context=context)
-    chain = build(proposer_registry, {"name": "draft_model"}, context=context)
+    chain = build(proposer_registry, {"name": "draft_model", "tree": False, "k": 4}, context=context)
     assert chain.sampled and not chain.config.tree  # the chain stays the default
 
 
@@ -546,7 +546,9 @@ def sampled_proposers(target: torch.nn.Module) -> dict[str, Proposer]:
     return {
         "iid_sampled_tree": IidTreeProposer(tiny_draft_model(target)),
         "draft_model_tree": build(
-            proposer_registry, {"name": "draft_model", "tree": True, "k": 2, "tree_width": 3}, context=context
+            proposer_registry,
+            {"name": "draft_model", "tree": True, "k": 2, "tree_width": 3, "tree_budget": 16},
+            context=context,
         ),
     }
 

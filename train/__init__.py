@@ -11,12 +11,12 @@ Modules: :mod:`train.prompts` (the built-in prompt set), :mod:`train.generation`
 :mod:`train.checkpoints` (save_state/load_state, kill-safe), :mod:`train.processes`
 (the run's process group), :mod:`train.job` (one run, and the drafter registry), and
 one module per drafter (:mod:`train.medusa`). The same command runs data-parallel
-under ``accelerate launch`` or ``torchrun`` (README "Training at scale"). Artifacts go to
+under ``accelerate launch`` or ``torchrun`` (docs/scale.md). Artifacts go to
 ``<artifacts_dir>/<target>/<drafter>``, where the matching proposer finds them.
 """
 
-from train.job import DRAFTERS, TrainJob, run, store_drafter_configs
+from train.job import TrainJob, drafters, run, store_drafter_configs
 
 store_drafter_configs()  # drafter=<name> choices, before any config is composed
 
-__all__ = ["DRAFTERS", "TrainJob", "run"]
+__all__ = ["TrainJob", "drafters", "run"]

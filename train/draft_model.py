@@ -83,7 +83,7 @@ class Config(FitConfig):
     and head frozen). Stored as the ``drafter=draft_model`` structured config: these
     are the only defaults."""
 
-    epochs: float = 3.0  # 3 epochs: Spec-Bench top-1 0.238 against 0.168 after 1 (README)
+    epochs: float = 3.0  # 3 epochs: Spec-Bench top-1 0.238 against 0.168 after 1 (docs/benchmarks.md)
     batch_size: int = 8
     lr: float = 0.003
 

@@ -4,7 +4,7 @@ The target stays frozen. The draft layer starts as a copy of target layer
 ``init_layer`` and is adapted with PEFT LoRA; the fusion (``fuse``, ``combine``)
 and the norms are trained in full (PEFT ``modules_to_save``). Features: one target
 pass over each cached sequence (prompt + response) gives the chosen layers'
-outputs at every position (:class:`proposers.eagle.drafter.LayerTap`), cached next to the
+outputs at every position (the target's layer tap, ``Target.tap``), cached next to the
 self-distillation data, so no epoch reruns the target.
 
 Training-time test (EAGLE-3): step 0 reads the target's features at every
@@ -45,11 +45,11 @@ from torch import nn
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from decoders.models.session import ModelSession
+from decoders.models.target import Target
 from proposers.copy_attention import label_probability, mixture
 from proposers.draft_model import DraftVocabulary, save_draft_vocab
 from proposers.eagle.artifact import CONFIG_FILE, LORA_TARGETS, full_modules, load_artifact, save_artifact
-from proposers.eagle.drafter import EagleDrafter, LayerTap, resolve_layers, target_features
+from proposers.eagle.drafter import EagleDrafter, resolve_layers, target_features
 from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob
@@ -188,7 +188,6 @@ def feature_data(job: TrainJob, sequences: list[Sequence], layers: list[int], ma
     if not kept:
         raise ValueError("no training sequence has two or more response tokens; generate longer responses")
     tokens = [(list(s.prompt) + list(s.response))[:max_length] for s in kept]
-    target = job.pipeline.model
     dtype = job.pipeline.session.dtype
     key = json.dumps({"ids": [s.id for s in kept], "tokens": [len(t) for t in tokens], "layers": layers,
                       "dtype": str(dtype)})  # fmt: skip
@@ -196,7 +195,7 @@ def feature_data(job: TrainJob, sequences: list[Sequence], layers: list[int], ma
     if path.exists():
         flat = load_file(str(path))["features"]
     else:
-        flat = compute_features(target, tokens, layers, job.is_main_process)
+        flat = compute_features(job.pipeline.target, tokens, layers, job.is_main_process)
         if job.is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file({"features": flat}, str(path.with_suffix(".tmp")))
@@ -206,14 +205,11 @@ def feature_data(job: TrainJob, sequences: list[Sequence], layers: list[int], ma
 
 
 @torch.inference_mode()
-def compute_features(
-    target: nn.Module, tokens: list[list[int]], layers: list[int], show: bool
-) -> torch.Tensor:
+def compute_features(target: Target, tokens: list[list[int]], layers: list[int], show: bool) -> torch.Tensor:
     """(sum of n - 1, F) the features of every sequence's positions 0..n-2, concatenated."""
-    num_layers = len(target.get_decoder().layers)
-    tap = LayerTap.of(target)
-    tap.watch([i - 1 for i in layers if i < num_layers])
-    session = ModelSession(target)
+    num_layers = target.num_layers
+    tap = target.tap([i - 1 for i in layers if i < num_layers])
+    session = target.session()
     parts = []
     for sequence in tqdm(tokens, desc="eagle features", unit="seq", disable=not show):
         session.reset()

@@ -40,7 +40,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decoders.models.kernels import configure_passes
 from decoders.models.layered import LayeredDecoder, run_layers
 from decoders.models.session import ModelSession
 from proposers.early_exit import ExitHead
@@ -102,8 +101,8 @@ def train(job: TrainJob) -> Path:
         # bf16, so the cached generations are reused); the exit trains on a float32 target,
         # and the trained exit loads into the target in any dtype. Exact mode (CPU bfloat16)
         # is for verification passes; float32 training uses the ordinary kernels.
+        job.pipeline.target.configure(narrow=False, exact=False)
         target = target.float()
-        configure_passes(target, narrow=False, exact=False)
     start_layer = (
         cfg.exit_layer - cfg.shallow_lora_layers
     )  # first trained layer (= exit layer without shallow LoRA)

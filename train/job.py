@@ -1,7 +1,7 @@
 """One training run: the loaded target, the composed config, where things go,
 and the drafter registry.
 
-A drafter plugs in as a module listed in :data:`DRAFTERS` that defines
+A drafter plugs in as a module, named by its proposer's ``trainer`` (:func:`drafters`), that defines
 ``train(job: TrainJob) -> Path`` (the artifact directory it wrote) and a
 ``Config`` dataclass for its ``drafter.*`` options, stored as the ``drafter=<name>``
 structured config (:func:`store_drafter_configs`), so it holds the only defaults. Everything else (self-distilled data, the training loop,
@@ -32,35 +32,34 @@ from omegaconf import DictConfig, OmegaConf
 from decoders.cli.config import model_config, store_schema, to_dataclass
 from decoders.engine.context import artifact_source
 from decoders.engine.pipeline import Pipeline
-from decoders.engine.registry import store_named_config
+from decoders.engine.registry import drafter_trainers, store_named_config
 from decoders.models.loading import ModelConfig, load_model
 from train.data import DataConfig, Sequence, eval_sequences, self_distilled
 from train.loop import RunLogger, ScaleConfig
 from train.processes import process_state
 
-#: drafter name -> module defining ``Config`` and ``train(job)``.
-DRAFTERS: dict[str, str] = {
-    "medusa": "train.medusa",
-    "early_exit": "train.early_exit",
-    "draft_model": "train.draft_model",
-    "eagle": "train.eagle",
-}
+
+def drafters() -> dict[str, str]:
+    """Drafter name -> module defining ``Config`` and ``train(job)``: each proposer declares
+    the drafter it reads (``artifact``) and the module that trains it (``trainer``)."""
+    return drafter_trainers()
 
 
 def drafter_module(name: str) -> ModuleType:
-    if name not in DRAFTERS:
+    trainers = drafters()
+    if name not in trainers:
         raise KeyError(
-            f"unknown drafter {name!r}; drafters: {', '.join(sorted(DRAFTERS))}. A new drafter is a module "
-            "with `Config` and `train(job)`, listed in train/job.py DRAFTERS."
+            f"unknown drafter {name!r}; drafters: {', '.join(trainers)}. A new drafter is a module "
+            "with `Config` and `train(job)`, named by its proposer's `trainer` (and `artifact`)."
         )
-    return importlib.import_module(DRAFTERS[name])
+    return importlib.import_module(trainers[name])
 
 
 def store_drafter_configs() -> None:
     """Make each drafter's ``Config`` the ``drafter=<name>`` choice of Hydra's ConfigStore
     (imports every drafter module; the ``train`` package does it on import, before any
     config is composed)."""
-    for name in DRAFTERS:
+    for name in drafters():
         store_named_config("drafter", name, drafter_module(name).Config)
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoders.models.cost import CostCurve, cached_cost_curve, fixed_by_environment, live_pass_times
+from decoders.models.cost import CostCurve, fixed_by_environment
 from decoders.models.loading import ModelConfig, cache_dir
+from decoders.models.target import Target, as_target
 
 # Trained drafters of the default target, shipped as package data (only what differs
 # from the target is stored); a user's own artifact of the same drafter wins.
@@ -18,11 +19,15 @@ SHIPPED_ARTIFACTS = Path(__file__).resolve().parents[2] / "proposers" / "shipped
 
 @dataclass
 class PipelineContext:
-    target: torch.nn.Module
+    target: Target  # the target's passes, parts and cost: what a proposer may use of it
     tokenizer: PreTrainedTokenizerBase | None
     model_config: ModelConfig = field(default_factory=ModelConfig)
     artifacts_dir: Path = field(default_factory=lambda: Path("artifacts"))
     fixed_cost_curve: CostCurve | None = None  # given: used instead of the measured T(n)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, torch.nn.Module):  # a bare module runs its passes as they are
+            self.target = as_target(self.target)
 
     @property
     def target_key(self) -> str:
@@ -73,13 +78,13 @@ class PipelineContext:
     def cost_curve(self) -> CostCurve:
         """The target's T(n): the fixed curve if one was given, else from the shared
         cache (measured there on first use), followed live by the passes the decode
-        loop times (``model.live_cost``; :class:`decoders.models.cost.PassTimes`)."""
+        loop times (``model.live_cost``; :meth:`decoders.models.target.Target.pass_times`)."""
         if self.fixed_cost_curve is not None:
             return self.fixed_cost_curve
-        curve = cached_cost_curve(self.target, self.target_key, self.cost_cache_dir)
+        curve = self.target.cost_curve(self.target_key, self.cost_cache_dir)
         if not self.model_config.live_cost or fixed_by_environment():
             return curve
-        return live_pass_times(self.target, curve).curve
+        return self.target.pass_times(curve).curve
 
 
 def artifact_source(directory: Path) -> dict:

@@ -37,8 +37,6 @@ from decoders.engine.registry import build, verifier_registry
 from decoders.engine.sampling import SamplingConfig, check_finite, next_token
 from decoders.engine.state import DecodeState
 from decoders.engine.verifier import Verifier
-from decoders.models.cost import pass_times
-from decoders.models.kernels import widest_exact_pass
 from decoders.models.session import ModelSession
 
 
@@ -149,9 +147,12 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-def default_verifier(sampling: SamplingConfig) -> str:
-    """The verifier used where none is configured, the one place it is chosen:
-    greedy at temperature 0, rejection sampling otherwise (both lossless)."""
+def default_verifier(sampling: SamplingConfig, trees: bool = False) -> str:
+    """The verifier used where none is configured, the one place it is chosen: ``tree``
+    for a proposer whose drafts are trees (on a model that takes tree passes); else greedy
+    at temperature 0, rejection sampling otherwise (all lossless)."""
+    if trees:
+        return "tree"
     return "greedy" if sampling.greedy else "rejection"
 
 
@@ -255,8 +256,14 @@ class Decoding:
         # A live cost curve learns from the passes; not from those that reuse drafting work.
         self.timed = proposer is None or not proposer.drafts_in_target
         # Exact mode keeps a pass's rows exact up to a width; wider drafts are cut to fit.
-        self.widest = widest_exact_pass(target.model)
+        owner = target.target  # the Target whose passes these are (None: a bare module's session)
+        self.widest = owner.widest_exact_pass if owner is not None else None
         self.stats.wall_time += time.perf_counter() - start
+
+    def _pass_times(self):
+        """The target's live pass times, once some pipeline over it follows its live cost."""
+        owner = self.target.target
+        return owner.pass_times() if owner is not None else None
 
     @property
     def progress(self) -> float:
@@ -273,7 +280,7 @@ class Decoding:
         )  # fmt: skip
         output = self.tokens
         tick = time.perf_counter()
-        timing = pass_times(target.model)
+        timing = self._pass_times()
         if timing is not None:  # the sizing reads T(n) after this many tokens
             timing.at_context(len(target))
         drafting = proposer is not None and (self.gate is None or self.gate.drafts())
@@ -326,7 +333,7 @@ class Decoding:
         stats.verify_time += verified - tock
         stats.draft_time += tock - tick
         # timing starts when the first sizer reads T(n)
-        if self.timed and (timing := timing or pass_times(target.model)) is not None:
+        if self.timed and (timing := timing or self._pass_times()) is not None:
             timing.at_context(block_start)  # (a sizer may have started the timing in this round)
             timing.record(len(block), verified - tock)
         if self.on_tokens:

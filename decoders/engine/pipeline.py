@@ -31,7 +31,7 @@ from decoders.engine.verifier import Verifier
 from decoders.models.architecture import UnsupportedArchitectureError
 from decoders.models.cost import CostCurve
 from decoders.models.loading import ModelConfig, load_model
-from decoders.models.session import ModelSession
+from decoders.models.target import Target, as_target
 
 ComponentSpec = str | dict | Any  # a registered name, a config mapping (with `name`), or an instance
 ConstraintSpec = Constraint | ConstraintConfig | dict  # {"json_schema" | "regex" | "grammar": ...}
@@ -48,7 +48,7 @@ class GenerationResult:
 class Pipeline:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Target | torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase | None,
         proposer: ComponentSpec | None = None,
         verifier: ComponentSpec | None = None,
@@ -63,17 +63,19 @@ class Pipeline:
         round_gate: bool = False,
         constraint: ConstraintSpec | None = None,
     ) -> None:
-        self.model = model
+        # a bare module runs its passes as they are; a loaded model comes as its Target
+        self.target = as_target(model)
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingConfig()
         self.context = PipelineContext(
-            model, tokenizer, model_config or ModelConfig(name="hf"), Path(artifacts_dir), cost_curve
+            self.target, tokenizer, model_config or ModelConfig(name="hf"), Path(artifacts_dir), cost_curve
         )
         # first: a model whose attention the session cannot serve is refused before anything loads
-        self.session = ModelSession(model)
+        self.session = self.target.session()
         self.proposer: Proposer | None = self._component(proposer, proposer_registry, Proposer)
         if verifier is None and self.proposer is not None:
-            verifier = default_verifier(self.sampling)
+            trees = self.proposer.drafts_trees and not self.session.tree_refusal
+            verifier = default_verifier(self.sampling, trees)
         self.verifier: Verifier | None = self._component(verifier, verifier_registry, Verifier)
         if self.verifier is not None:
             self.verifier.check(self.sampling)
@@ -98,6 +100,11 @@ class Pipeline:
         self.default_constraint: Constraint | None = (
             None if constraint is None else self.constraint(constraint)
         )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The target's module, for code that runs it as transformers does (peers, training)."""
+        return self.target.model
 
     # ------------------------------------------------------------------ building
 
@@ -125,7 +132,7 @@ class Pipeline:
         """Another pipeline over the same loaded target (no reload); ``round_gate``
         None keeps this one's."""
         return Pipeline(
-            self.model,
+            self.target,
             self.tokenizer,
             proposer,
             verifier,

@@ -16,17 +16,29 @@ config), then serves one request at a time:
     finish(state)     the request is done (its tokens are final)
 
 ``state`` is the :class:`~decoders.engine.state.DecodeState` of the request: its
-tokens and the target's final hidden states of the last pass. A proposer that
-needs the target's intermediate layers taps them at construction (EAGLE's
-``LayerTap``); one that drafts with the target's own layers says so
-(``drafts_in_target``) and is given the session. A proposer decides its draft's
-shape from its own config, never from the verifier.
+tokens and the target's final hidden states of the last pass. The target itself is
+``context.target`` (:class:`decoders.models.target.Target`): a proposer that needs
+its intermediate layers asks it for a tap (``context.target.tap(layers)``, EAGLE);
+one that drafts with the target's own layers says so (``drafts_in_target``) and is
+given the session. A proposer decides its draft's shape from its own config, never
+from the verifier.
+
+A proposer class is also its own declaration (one table per proposer, read by the
+registry, the trainer CLI and the bench):
+
+    Config            its options; the defaults are its best measured configuration
+    artifact          the drafter it reads from the artifacts directory (None: none)
+    trainer           the module that trains that drafter (``Config``, ``train(job)``),
+                      run as ``python -m train drafter=<artifact>``
+    presets           named variants (:class:`Preset`) bench lists refer to by label
+    drafts_trees      whether its drafts, as configured, are trees (then its pipeline's
+                      default verifier is ``tree``)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -43,8 +55,23 @@ class NeedsTokenizer(ValueError):
     """A proposer that works on text was built for a model without a tokenizer."""
 
 
+@dataclass(frozen=True)
+class Preset:
+    """A named variant of a proposer: the options it sets over the proposer's defaults and
+    the verifier it runs with (None: the pipeline's default for its drafts). A bench list
+    names it by ``label`` (``bench.pipelines=[copy_heads_chain]``); labels start with
+    their proposer's registered name."""
+
+    label: str
+    options: dict[str, Any] = field(default_factory=dict)
+    verifier: str | None = None
+
+
 class Proposer:
     name: ClassVar[str]
+    artifact: ClassVar[str | None] = None
+    trainer: ClassVar[str | None] = None
+    presets: ClassVar[tuple[Preset, ...]] = ()
 
     @dataclass
     class Config:
@@ -60,6 +87,12 @@ class Proposer:
         it returns when sampling; False if it chooses them deterministically
         (draft_probs None). A property of the instance: the same class can do either
         (a draft model's chains sample, its trees do not)."""
+        return False
+
+    @property
+    def drafts_trees(self) -> bool:
+        """True if this proposer, as configured, drafts trees (several continuations):
+        a pipeline built without a verifier then verifies them with ``tree``."""
         return False
 
     @property

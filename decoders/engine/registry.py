@@ -7,7 +7,9 @@ that dataclass in Hydra's ConfigStore under the registry's config group, so
 built-in choice.
 
 Built-ins are known by name only (``BUILTIN_PROPOSERS``, ``BUILTIN_VERIFIERS``:
-name -> ``"module:Class"``) and imported the first time they are looked up, so the
+name -> ``"module:Class"``, the one line a built-in adds here; everything else about it
+is declared on its class: :class:`decoders.engine.proposer.Proposer`) and imported the
+first time they are looked up, so the
 engine never imports a plugin package: ``proposers`` and ``verifiers`` depend on
 the engine, never the reverse. Listing a registry names the built-ins without
 importing them. Hydra needs every choice's Config stored before it composes, so
@@ -206,6 +208,7 @@ BUILTIN_PROPOSERS = {
     "eagle": "proposers.eagle.proposer:EagleProposer",
     "early_exit": "proposers.early_exit:EarlyExitProposer",
     "grammar": "proposers.grammar:GrammarProposer",
+    "copy_heads": "proposers.medusa.proposer:CopyHeadsProposer",
     "medusa": "proposers.medusa.proposer:MedusaProposer",
     "merge": "proposers.merge:MergeProposer",
     "ngram": "proposers.ngram:NgramProposer",
@@ -228,6 +231,30 @@ def load_builtins() -> None:
     Configs in Hydra's ConfigStore before it composes)."""
     proposer_registry.load_builtins()
     verifier_registry.load_builtins()
+
+
+def find_preset(label: str) -> tuple[str, Any] | None:
+    """(proposer name, :class:`decoders.engine.proposer.Preset`) of the preset named
+    ``label``, declared by the proposer whose name is the label's longest prefix; None if
+    no proposer declares it."""
+    for name in sorted(proposer_registry.names(), key=len, reverse=True):
+        if label.startswith(name + "_"):
+            for preset in getattr(proposer_registry.get(name), "presets", ()):
+                if preset.label == label:
+                    return name, preset
+    return None
+
+
+def drafter_trainers() -> dict[str, str]:
+    """Drafter name -> the module that trains it, from every proposer's declaration
+    (``artifact`` and ``trainer``): what ``python -m train drafter=NAME`` offers."""
+    proposer_registry.load_builtins()
+    trainers: dict[str, str] = {}
+    for name in proposer_registry.names():
+        cls = proposer_registry.get(name)
+        if getattr(cls, "trainer", None):
+            trainers.setdefault(cls.artifact, cls.trainer)
+    return dict(sorted(trainers.items()))
 
 
 def register_proposer(name: str) -> Callable[[type[T]], type[T]]:

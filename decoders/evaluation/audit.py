@@ -42,7 +42,6 @@ from decoders.cli.config import (
     store_schema,
     to_dataclass,
 )
-from decoders.engine.decoding import default_verifier
 from decoders.engine.pipeline import Pipeline
 from decoders.engine.registry import verifier_registry
 from decoders.evaluation.audit_statistics import (
@@ -55,7 +54,6 @@ from decoders.evaluation.audit_statistics import (
 from decoders.evaluation.metrics import Divergence, first_divergence
 from decoders.evaluation.prompt_reuse import reusing_prompts
 from decoders.evaluation.workloads import load_workload, workload_config
-from decoders.models.kernels import exact_passes
 from decoders.models.loading import load_model
 from decoders.models.session import ModelSession
 
@@ -312,16 +310,16 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
         raise ValueError(
             "the audit needs a pipeline to check: choose one with proposer=NAME (e.g. proposer=ngram)."
         )
-    verifier_cfg = component(cfg, "verifier") or default_verifier(sampling)
-    verifier_name = verifier_cfg if isinstance(verifier_cfg, str) else verifier_cfg["name"]
-    declared_lossless = check_lossless_claim(verifier_name, audit)
+    verifier_cfg = component(cfg, "verifier")  # None: the pipeline's default for its drafts
+    if verifier_cfg is not None:  # a lossy verifier is refused before the model loads
+        check_lossless_claim(verifier_cfg if isinstance(verifier_cfg, str) else verifier_cfg["name"], audit)
 
     model_cfg = model_config(cfg)
     target, tokenizer = load_model(model_cfg)
     greedy_sampling = replace(sampling, temperature=0.0)
     standard = Pipeline(target, tokenizer, sampling=greedy_sampling, model_config=model_cfg,
                         artifacts_dir=cfg.artifacts_dir, max_new_tokens=audit.max_new_tokens,
-                        round_gate=bool(cfg.get("round_gate", False)),
+                        round_gate=cfg.round_gate,
                         constraint=constraint_config(cfg))  # both pipelines decode under it, if given  # fmt: skip
     count = max(audit.prompts, audit.sampling_prompts)
     if tokenizer is None:
@@ -334,6 +332,8 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
     start = time.perf_counter()
 
     speculative = standard.with_components(proposer_cfg, verifier_cfg)
+    verifier_name = speculative.verifier.name
+    declared_lossless = check_lossless_claim(verifier_name, audit)
     greedy_prompts = len(prompts[: audit.prompts])
     identical, bit_identical, divergences, greedy_done = 0.0, 0.0, [], 0
 
@@ -379,7 +379,7 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
             "top_p": sampling.top_p,
             "greedy_identical": identical,
             "bit_identical": bit_identical,
-            "exact_mode": exact_passes(target),
+            "exact_mode": target.exact,
             "greedy_prompts": greedy_done,
             "greedy_max_new_tokens": audit.max_new_tokens,
             "tie_tolerance": tolerance,

@@ -49,14 +49,16 @@ from decoders.engine.draft import Draft, Round
 from decoders.engine.pipeline import Pipeline
 from decoders.engine.proposer import Proposer
 from decoders.engine.sampling import SamplingConfig
-from decoders.evaluation.benchmark import build_pipelines, turn_ids
+from decoders.evaluation.contenders import build_pipelines
+from decoders.evaluation.scheduling import turn_ids
 from decoders.evaluation.files import read_results, write_json
 from decoders.evaluation.metrics import Record, pipeline_entry
 from decoders.evaluation.workloads import load_workload, workload_config
-from decoders.models.cost import CostCurve, pass_times, read_cost_curve
+from decoders.models.cost import CostCurve, read_cost_curve
 from decoders.models.loading import load_model
 from decoders.models.machine import machine_info
-from decoders.models.session import ModelSession, tree_depths
+from decoders.models.session import tree_depths
+from decoders.models.target import Target
 
 
 @dataclass
@@ -76,11 +78,12 @@ class ReplaySession:
     """A target session that answers passes from a recorded output (see the module).
 
     It keeps what :class:`ModelSession` keeps for the decode loop (``cached``,
-    ``hidden``, ``keep``, ``truncate``); ``model`` is the real target, for what the
+    ``hidden``, ``keep``, ``truncate``); ``target`` is the real target, for what the
     loop asks of it (exact mode's widest pass)."""
 
-    def __init__(self, model: torch.nn.Module, reference: Reference) -> None:
-        self.model = model
+    def __init__(self, target: Target, reference: Reference) -> None:
+        self.target = target
+        model = self.model = target.model
         self.device = next(model.parameters()).device
         self.max_positions = None
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -196,7 +199,7 @@ def references_of(run: dict, base: Pipeline, cfg: DictConfig, hidden: bool) -> l
     prompts = {p.id: p for p in load_workload(workload_config(cfg))}
     answers: dict[str, str] = {}
     references = []
-    session = ModelSession(base.model)
+    session = base.target.session()
     for record in standard["records"]:
         if record["repeat"]:
             continue
@@ -241,7 +244,7 @@ def replay_pipeline(
             f"proposer {proposer.name} drafts with the target's inner layers, which a replay does not "
             "run; measure it with python -m decoders.bench"
         )
-    if pass_times(pipeline.model) is not None:
+    if pipeline.target.pass_times() is not None:
         raise RuntimeError(
             "the target follows a live cost curve, which the replay's instant passes would corrupt"
         )
@@ -255,7 +258,7 @@ def replay_pipeline(
     for reference in references:
         if isinstance(proposer, AcceptedPathOnly):
             proposer.sequence = reference.prompt_ids + reference.tokens
-        session = ReplaySession(pipeline.model, reference)
+        session = ReplaySession(pipeline.target, reference)
         output = decode(session, reference.prompt_ids, stop, greedy, proposer, pipeline.verifier)  # type: ignore[arg-type]
         stats = output.stats
         records.append(

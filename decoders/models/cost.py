@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-from decoders.models.kernels import exact_passes
 from decoders.models.session import ModelSession
 
 REFERENCE_CONTEXT = 256  # tokens before the passes the curve times
@@ -245,26 +244,22 @@ def read_cost_curve(path: str | Path) -> CostCurve:
         ) from error
 
 
-_UNCACHED: dict[Path, CostCurve] = {}  # this process's disturbed measurements, by cache path
-
-
-def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> CostCurve:
+def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path, exact: bool = False) -> CostCurve:
     """The cost curve of ``model`` (named ``key``): ``SPECDEC_COST_CURVE``'s file if
     set, else the cached measurement, measured on first use (exact mode,
     ``model.exact``, has its own). A measurement disturbed by other work on the
-    machine is retried once and, if still disturbed, used for the rest of the process
-    but never written, so one busy moment does not steer every later run."""
+    machine is retried once and, if still disturbed, returned but never written, so one
+    busy moment does not steer every later run (the target keeps it for its life,
+    :meth:`decoders.models.target.Target.cost_curve`)."""
     if os.environ.get(COST_CURVE_ENV):
         return read_cost_curve(os.environ[COST_CURVE_ENV])
     parameter = next(model.parameters())
     device = parameter.device.type
     dtype = str(parameter.dtype).removeprefix("torch.")
-    mode = "-exact" if exact_passes(model) else ""
+    mode = "-exact" if exact else ""
     path = cache_dir / f"{key}-{device}-{dtype}{mode}-k{KERNELS_VERSION}.json"
     if path.exists():
         return read_cost_curve(path)
-    if path in _UNCACHED:  # measured under load earlier in this process: not measured again
-        return _UNCACHED[path]
     curve = measure_cost_curve(model)
     if curve.disturbance > DISTURBED:
         curve = min(curve, measure_cost_curve(model), key=lambda c: c.disturbance)
@@ -274,7 +269,6 @@ def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path) -> Cost
             "used for this run, not cached; measure again when the machine is quiet",
             file=sys.stderr,
         )
-        _UNCACHED[path] = curve
         return curve
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
@@ -388,27 +382,6 @@ def non_decreasing(values: list[float], weights: list[float]) -> list[float]:
             last[0] = (last[0] * last[1] + mean * weight) / total
             last[1], last[2] = total, last[2] + count
     return [mean for mean, _, count in blocks for _ in range(count)]
-
-
-_PASS_TIMES = "_specdec_pass_times"  # the attribute of a target that carries its PassTimes
-
-
-def live_pass_times(model: torch.nn.Module, base: CostCurve) -> PassTimes:
-    """The target's PassTimes in its current pass mode (one per loaded model and
-    mode, so every pipeline over it, the baseline included, adds its passes),
-    started from ``base`` on first use."""
-    by_mode = model.__dict__.setdefault(_PASS_TIMES, {})
-    mode = exact_passes(model)
-    if mode not in by_mode:
-        by_mode[mode] = PassTimes(base)
-    return by_mode[mode]
-
-
-def pass_times(model: torch.nn.Module) -> PassTimes | None:
-    """The target's PassTimes in its current pass mode if a pipeline over it follows
-    its live cost, else None."""
-    by_mode = model.__dict__.get(_PASS_TIMES)
-    return by_mode.get(exact_passes(model)) if by_mode else None
 
 
 def fixed_by_environment() -> bool:

@@ -47,8 +47,25 @@ CHUNK = 64  # keys per chunk, in absolute positions
 MKL_MIN_ROWS = 4  # float32/float64 query rows per product: MKL computes 1-3 rows unlike 4 or more
 MAX_ROWS = 64  # wider passes (the prefill) use SDPA
 
-# (mask, prefix, rows) -> tail layout; one pass calls every layer with the same mask
-_last_layout: tuple[weakref.ref | None, int, int, Layout | None] | None = None
+
+class TailLayouts:
+    """The last pass's tail layout (:func:`tail_layout`): one pass calls every layer with
+    the same mask, so the layers after the first reuse it. One per
+    :class:`decoders.models.target.Target` (the attention it registers carries it)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[weakref.ref | None, int, int, Layout | None] | None = None
+
+    def __call__(self, mask: torch.Tensor | None, prefix: int, rows: int, device: torch.device):
+        last = self.last
+        if last is not None and last[1:3] == (prefix, rows):
+            if (mask is None and last[0] is None) or (
+                mask is not None and last[0] is not None and last[0]() is mask
+            ):
+                return last[3]
+        layout = tail_layout(mask, prefix, rows, device)
+        self.last = (None if mask is None else weakref.ref(mask), prefix, rows, layout)
+        return layout
 
 
 def exact_attention(
@@ -59,10 +76,12 @@ def exact_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    layouts: TailLayouts | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: query (1, heads, q, d), key/value
-    (1, kv_heads, kv, d) with the pass's q tokens last; returns (1, q, heads, d)."""
+    (1, kv_heads, kv, d) with the pass's q tokens last; returns (1, q, heads, d). A
+    :class:`decoders.models.target.Target` registers it with its own ``layouts``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, rows, dim = query.shape
@@ -75,7 +94,7 @@ def exact_attention(
         and not kwargs.get("softcap")
         and not kwargs.get("s_aux")
     ):
-        layout = tail_layout(attention_mask, prefix, rows, query.device)
+        layout = (layouts or tail_layout)(attention_mask, prefix, rows, query.device)
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scale = dim**-0.5 if scaling is None else scaling
@@ -100,13 +119,6 @@ def tail_layout(mask: torch.Tensor | None, prefix: int, rows: int, device: torch
     ancestors and itself, in order) follow the prefix's tail at consecutive slots,
     where standard decoding has them.
     """
-    global _last_layout
-    cached = _last_layout
-    if cached is not None and cached[1:3] == (prefix, rows):
-        if (mask is None and cached[0] is None) or (
-            mask is not None and cached[0] is not None and cached[0]() is mask
-        ):
-            return cached[3]
     if mask is None:
         block = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
         layout = _layout_from_block(block, prefix)
@@ -114,7 +126,6 @@ def tail_layout(mask: torch.Tensor | None, prefix: int, rows: int, device: torch
         visible = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0  # (rows, prefix + rows)
         seen_prefix = bool(visible[:, :prefix].all()) if prefix else True
         layout = _layout_from_block(visible[:, prefix:], prefix) if seen_prefix else None
-    _last_layout = (None if mask is None else weakref.ref(mask), prefix, rows, layout)
     return layout
 
 
@@ -221,18 +232,3 @@ def _rows_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
     a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], -2)
     return torch.matmul(a, b)[..., :rows, :]
-
-
-def use_exact_attention(model: torch.nn.Module) -> bool:
-    """Switch a transformers model to :func:`exact_attention`; False if it has no
-    attention interface to switch (then its passes are not made invariant)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) is None:
-        return False
-    AttentionInterface.register(ATTENTION_NAME, exact_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
-    model.set_attn_implementation(ATTENTION_NAME)
-    return config._attn_implementation == ATTENTION_NAME

@@ -87,6 +87,7 @@ def check_pass_invariance(
     64-key chunk boundary of :mod:`decoders.models.exact_attention`, where the
     passes' rows combine 7 or 8 chunks (CPU sums of 8 or more run in lanes)."""
     generator = torch.Generator().manual_seed(seed)
+    model = getattr(model, "model", model) if not isinstance(model, torch.nn.Module) else model
     vocab = model.config.vocab_size
     prefix = torch.randint(0, vocab, (prefix_len,), generator=generator).tolist()
     tokens = torch.randint(0, vocab, (max(chain_len, len(tree)),), generator=generator).tolist()

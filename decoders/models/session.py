@@ -38,7 +38,14 @@ from decoders.models.kv_cache import growing_cache
 
 
 class ModelSession:
-    def __init__(self, model: torch.nn.Module) -> None:
+    """One request's passes over ``model`` (an ``nn.Module``, or a
+    :class:`decoders.models.target.Target`, whose session knows its target: its exact
+    mode's widest pass and the live pass times the decode loop feeds)."""
+
+    def __init__(self, model, target=None) -> None:
+        if not isinstance(model, torch.nn.Module):  # a Target: its module, and itself as the owner
+            model, target = model.model, model
+        self.target = target
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()

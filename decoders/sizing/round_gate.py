@@ -27,7 +27,7 @@ in runs (copying, formulaic text), so a drafter may pay just after an accepted
 round and not after a miss.
 
 The drafted round's V is measured, not read from the curve: the curve prices
-widths well (README "Why a verification pass is cheap here"), but a gate that
+widths well (docs/performance.md, "Why a verification pass is cheap here"), but a gate that
 weighs T(w) / T(1) decides on a ratio close to 1 where a few percent of error in
 either point flips it.
 
@@ -49,7 +49,7 @@ keeps in step with the target's passes (copy heads' context memory, EAGLE's
 features) takes in the round it did not draft.
 
 Pipelines are built without a gate unless asked (``round_gate=true``): in its A/B
-runs (README, "The round gate") it helped the distilled draft at temperature 1, left
+runs (docs/round_gate.md) it helped the distilled draft at temperature 1, left
 the heads unchanged at 0 and cost the copy heads' tree at 1.
 """
 

@@ -24,7 +24,7 @@ does: index i (1 <= i < L) is decoder layer i-1's output, L (or -1) the final,
 normed state the LM head reads (``state.hidden``). The default is EAGLE-3's
 low, middle and high features ``[2, L // 2, L]``; ``[-1]`` is EAGLE-1's last layer
 alone. Intermediate layers' outputs come from the verification pass itself, through
-forward hooks (:class:`LayerTap`): no extra target pass.
+forward hooks (the target's layer tap, ``target.tap``): no extra target pass.
 
 The draft's KV cache holds the committed positions, each fed with the target's
 features; after a round the drafted entries are dropped and the positions the

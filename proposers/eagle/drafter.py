@@ -1,7 +1,8 @@
 """The EAGLE drafter module and the target features it reads.
 
 :class:`EagleDrafter` fuses the target's features with the next token's embedding
-and runs one decoder layer over them; :class:`LayerTap` collects the target's
+and runs one decoder layer over them; the target's layer tap
+(:class:`decoders.models.taps.LayerTap`, ``target.tap(layers)``) collects its
 intermediate layers' outputs from its own passes (forward hooks, no extra pass);
 :func:`target_features` assembles them per committed position. See
 :mod:`proposers.eagle` for the scheme.
@@ -10,13 +11,12 @@ intermediate layers' outputs from its own passes (forward hooks, no extra pass);
 from __future__ import annotations
 
 import copy
-import weakref
-from typing import Any
 
 import torch
 from torch import nn
 
 from decoders.models.architecture import UnsupportedArchitectureError
+from decoders.models.taps import LayerTap
 from proposers.copy_attention import ContextMemory, CopyAttention
 from proposers.draft_model import DraftVocabulary
 
@@ -32,63 +32,6 @@ def resolve_layers(feature_layers: list[int] | None, num_layers: int) -> list[in
             f"feature layers {feature_layers} must be hidden-state indices 1..{num_layers} (or -1 for the last)"
         )
     return resolved
-
-
-class LayerTap:
-    """The outputs of chosen decoder layers in the target's passes (forward hooks).
-
-    One tap per target model, shared by every proposer on it. The hooks keep a
-    reference to each watched layer's output, filed under the pass's final hidden
-    states (the decoder's output) for the last ``KEPT`` passes used: a session that
-    serves a pass from its cache (the audit's repeated prefills) still gets the
-    features of the pass that made its ``hidden``. Passes cost nothing more. (The
-    entries hold their final hidden states, so no later tensor shares their memory.)"""
-
-    KEPT = 8
-
-    _taps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def __init__(self, model: nn.Module) -> None:
-        decoder = model.get_decoder()
-        self.layers = decoder.layers
-        self._hooks: dict[int, Any] = {}
-        self._current: dict[int, torch.Tensor] = {}  # this pass so far: layer -> (batch, q, hidden)
-        self._passes: list[
-            tuple[torch.Tensor, dict[int, torch.Tensor]]
-        ] = []  # (final hidden, outputs), newest last
-        decoder.register_forward_hook(self._file_pass)
-
-    @classmethod
-    def of(cls, model: nn.Module) -> LayerTap:
-        if model not in cls._taps:
-            cls._taps[model] = cls(model)
-        return cls._taps[model]
-
-    def watch(self, layers: list[int]) -> None:
-        for layer in layers:
-            if layer not in self._hooks:
-                self._hooks[layer] = self.layers[layer].register_forward_hook(self._keeper(layer))
-
-    def _keeper(self, layer: int):
-        def keep(module, inputs, output) -> None:
-            self._current[layer] = output[0] if isinstance(output, tuple) else output
-
-        return keep
-
-    def _file_pass(self, module, inputs, output) -> None:
-        final = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        self._passes = [*self._passes[-(self.KEPT - 1) :], (final, self._current)]
-        self._current = {}
-
-    def outputs(self, final_hidden: torch.Tensor) -> dict[int, torch.Tensor]:
-        """layer -> (q, hidden) outputs of the pass whose final hidden states (its first
-        sequence's, as a session keeps them) are ``final_hidden``."""
-        for i in range(len(self._passes) - 1, -1, -1):
-            final, outputs = self._passes[i]
-            if final.data_ptr() == final_hidden.data_ptr():
-                self._passes.append(self._passes.pop(i))  # most recently used last
-                return {layer: values[0] for layer, values in outputs.items()}
-        raise RuntimeError("the target's latest pass did not run through its decoder: no layer features")
 
 
 LLAMA_STYLE = {

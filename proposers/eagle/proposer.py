@@ -21,18 +21,20 @@ from decoders.engine.files import readable_artifact
 from decoders.engine.proposer import Proposer, constrained_rows, draft_token
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite
-from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
 from decoders.models.session import ModelSession
 from decoders.sizing.acceptance import confidence_bucket
 from decoders.sizing.draft_length import DraftLengthPolicy
 from decoders.sizing.dynamic_tree import DynamicTree
 from proposers.copy_attention import ContextMemory, drafting_log_probs
 from proposers.eagle.artifact import CONFIG_FILE, load_artifact
-from proposers.eagle.drafter import LayerTap, check_llama_style, target_features
+from proposers.eagle.drafter import check_llama_style, target_features
 
 
 @register_proposer("eagle")
 class EagleProposer(Proposer):
+    artifact = "eagle"
+    trainer = "train.eagle"
+
     @dataclass
     class Config:
         # Artifact directory; null = <artifacts_dir>/<target>/eagle.
@@ -48,6 +50,10 @@ class EagleProposer(Proposer):
         adaptive: bool = True
 
     @property
+    def drafts_trees(self) -> bool:
+        return self.config.tree
+
+    @property
     def sampled(self) -> bool:
         return not self.config.tree  # chains carry q; trees are deterministic (point masses)
 
@@ -59,24 +65,23 @@ class EagleProposer(Proposer):
         super().__init__(config, context)
         if config.k < 1:
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
-        check_llama_style(context.target)  # before asking for an artifact it could never have
-        directory = Path(config.path) if config.path else context.artifact_path("eagle")
+        check_llama_style(context.target.model)  # before asking for an artifact it could never have
+        directory = Path(config.path) if config.path else context.artifact_path(self.artifact)
         if not (directory / CONFIG_FILE).exists():
             raise FileNotFoundError(
                 f"no EAGLE drafter for target {context.target_key!r} at {directory}. Train it with "
-                f"`{context.train_command('eagle', config.path)}`."
+                f"`{context.train_command(self.artifact, config.path)}`."
             )
-        with readable_artifact(directory, context.train_command("eagle", config.path)):
-            artifact = load_artifact(directory, context.target)
+        with readable_artifact(directory, context.train_command(self.artifact, config.path)):
+            artifact = load_artifact(directory, context.target.model)
         self.drafter = artifact.drafter
-        if routes_narrow_linears(context.target):  # drafting passes are narrow passes too
-            route_narrow_linears(self.drafter)
+        if context.target.narrow:  # drafting passes are narrow passes too
+            context.target.route(self.drafter, exact=False)
         self.meta = artifact.meta
         self.artifact = artifact_source(directory)
-        self.num_target_layers = len(context.target.get_decoder().layers)
+        self.num_target_layers = context.target.num_layers
         self.layers = self.drafter.feature_layers
-        self.tap = LayerTap.of(context.target)
-        self.tap.watch([i - 1 for i in self.layers if i < self.num_target_layers])
+        self.tap = context.target.tap([i - 1 for i in self.layers if i < self.num_target_layers])
         self.session = ModelSession(self.drafter)
         self.token_ids = self.drafter.vocabulary.token_ids.to(self.drafter.device)  # (n,) row -> token id
         self.dynamic = (

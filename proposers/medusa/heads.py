@@ -241,7 +241,7 @@ class DraftProjection:
     # Drafting is mostly the product of a few states with the weight, and which memory
     # layout CPU kernels handle well depends on how many states there are: one state
     # is fastest times weight_t (hidden, n), a dynamic tree's level of 4 as
-    # weight @ states.T (timings in README.md, dynamic Medusa trees). Both are kept (_base),
+    # weight @ states.T (timings in docs/benchmarks.md, "Dynamic Medusa trees"). Both are kept (_base),
     # for where oneDNN's packed linear (faster than either on x86 CPUs) is not available.
     weight: torch.Tensor  # (n, hidden)
     weight_t: torch.Tensor  # (hidden, n), contiguous

@@ -31,7 +31,7 @@ distribution, for sequential heads the head given the drafted path.
   which at temperature > 0 are accepted with the target's p(x) only; so when
   sampling it drafts, by default (``when_sampling: sampled_tree``), the
   artifact's tree with sampled siblings instead, shaped and sized from measured
-  acceptance as ``tree: auto, tree_budget: auto`` is (README, "Sampled trees at
+  acceptance as ``tree: auto, tree_budget: auto`` is (docs/sampling.md, "Sampled trees at
   temperature > 0": more tau at T=1 in every run there). ``when_sampling:
   point_masses`` keeps the dynamic tree at every temperature.
 """
@@ -48,10 +48,9 @@ import torch
 from decoders.engine.context import artifact_source
 from decoders.engine.draft import Draft, Round
 from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Proposer, constrained_rows
+from decoders.engine.proposer import Preset, Proposer, constrained_rows
 from decoders.engine.registry import register_proposer
 from decoders.engine.sampling import check_finite, processed_probs, sample
-from decoders.models.kernels import route_narrow_linears, routes_narrow_linears
 from decoders.sizing.acceptance import confidence_bucket
 from decoders.sizing.draft_length import DraftLengthPolicy
 from decoders.sizing.dynamic_tree import DynamicTree
@@ -207,6 +206,9 @@ class _HeadOutputs:
 
 @register_proposer("medusa")
 class MedusaProposer(Proposer):
+    artifact = "medusa"
+    trainer = "train.medusa"
+
     @dataclass
     class Config:
         # Artifact directory; null = <artifacts_dir>/<target>/medusa.
@@ -235,20 +237,20 @@ class MedusaProposer(Proposer):
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
-        directory = Path(config.path) if config.path else context.artifact_path("medusa")
+        directory = Path(config.path) if config.path else context.artifact_path(self.artifact)
         if not (directory / CONFIG_FILE).exists():
             raise FileNotFoundError(
                 f"no Medusa heads for target {context.target_key!r} at {directory}. Train them with "
-                f"`{context.train_command('medusa', config.path)}`."
+                f"`{context.train_command(self.artifact, config.path)}`."
             )
-        with readable_artifact(directory, context.train_command("medusa", config.path)):
+        with readable_artifact(directory, context.train_command(self.artifact, config.path)):
             artifact = load_artifact(
-                directory, context.target.get_output_embeddings(), context.target.get_input_embeddings()
+                directory, context.target.output_embeddings(), context.target.input_embeddings()
             )
         self.heads = artifact.heads
         self.artifact = artifact_source(directory)
-        if routes_narrow_linears(context.target):  # a dynamic tree's levels are narrow passes too
-            route_narrow_linears(self.heads)
+        if context.target.narrow:  # a dynamic tree's levels are narrow passes too
+            context.target.route(self.heads, exact=False)
         self.meta = artifact.meta
         self.num_heads = config.num_heads or self.heads.num_heads
         if not 1 <= self.num_heads <= self.heads.num_heads:
@@ -297,6 +299,10 @@ class MedusaProposer(Proposer):
         # a dynamic tree's rounds drafted as a sampled tree go to the tuner
         self.sizer: Sizer | None = self.dynamic or self.tuner or self.policy
         self.memory: ContextMemory | None = None  # copy heads: the request's committed context
+
+    @property
+    def drafts_trees(self) -> bool:
+        return self.config.tree is not None
 
     @property
     def sampled(self) -> bool:
@@ -438,3 +444,19 @@ class MedusaProposer(Proposer):
             "trainable_parameters": self.meta.get("trainable_parameters"),
             "heads_top1_heldout": self.meta.get("metrics", {}).get("top1"),
         }
+
+
+@register_proposer("copy_heads")
+class CopyHeadsProposer(MedusaProposer):
+    """The copy heads: the heads ``python -m train drafter=medusa`` trains by default, each
+    mixing its vocabulary distribution with a pointer into the committed context
+    (:mod:`proposers.copy_attention`). Its defaults are its best measured configuration on
+    the default target: a dynamic tree grown from the heads' confidence, sized each round
+    from T(n) and the acceptance measured (``tree_budget: auto``), verified by ``tree``."""
+
+    presets = (Preset("copy_heads_chain", {"tree": None, "tree_budget": None}),)
+
+    @dataclass
+    class Config(MedusaProposer.Config):
+        tree: Any = "dynamic"
+        tree_budget: Any = "auto"

@@ -1,0 +1,69 @@
+"""The Target owns its model's passes: what it installs it can remove, and it leaves
+nothing on the module or in module globals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from decoders.models.cost import CostCurve
+from decoders.models.kernels import RoutedLinear, linear_route
+from decoders.models.loading import tiny_random_model
+from decoders.models.target import Target
+
+
+def module_snapshot(model: torch.nn.Module) -> dict:
+    """Each submodule's class and instance attributes (what a patch would change)."""
+    return {name: (type(m), sorted(vars(m))) for name, m in model.named_modules()}
+
+
+def hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("narrow,exact", [(True, False), (False, True), (True, True)])
+def test_closing_a_target_gives_the_model_back_as_built(narrow, exact):
+    model = tiny_random_model(320, 64, 2, seed=3).double()
+    before, attention = module_snapshot(model), model.config._attn_implementation
+    registered = set(AttentionInterface._global_mapping)
+    tokens = list(range(10, 40))
+    with torch.no_grad():
+        reference = model(torch.tensor([tokens])).logits
+
+    target = Target(model, narrow=narrow, exact=exact)
+    tap = target.tap([0])
+    session = target.session()
+    session.forward(tokens)
+    assert tap.outputs(session.hidden)[0].shape[0] == len(tokens)  # the hook ran
+    assert all(isinstance(m, RoutedLinear) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model.config._attn_implementation != attention and hooks(model) > 0
+
+    target.close()
+    assert module_snapshot(model) == before  # classes back, no attribute left behind
+    assert model.config._attn_implementation == attention and hooks(model) == 0
+    assert set(AttentionInterface._global_mapping) == registered
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([tokens])).logits, reference)
+
+
+def test_targets_over_two_models_keep_their_own_routes_and_pass_times():
+    """Two targets in one process: switching one's mode leaves the other's alone, and the
+    live pass times of each are its own (no state shared through a module global)."""
+    a = Target(tiny_random_model(320, 64, 2, seed=3), narrow=True, exact=False)
+    b = Target(tiny_random_model(320, 64, 2, seed=4), narrow=True, exact=True)
+    a_route = linear_route(a.model)
+    b.configure(narrow=True, exact=False)
+    assert linear_route(a.model) is a_route and not a.exact and not b.exact
+    assert a.attention != b.attention  # each registered its own attention
+    curve = CostCurve({1: 0.01, 8: 0.012})
+    times = a.pass_times(curve)
+    assert a.pass_times() is times and b.pass_times() is None
+    b.configure(narrow=True, exact=True)
+    assert b.pass_times(curve) is not times and b.widest_exact_pass == 48 and a.widest_exact_pass is None
+
+
+def test_a_target_refuses_to_wrap_a_target():
+    target = Target(tiny_random_model(320, 64, 1, seed=3))
+    with pytest.raises(TypeError, match="not a Target"):
+        Target(target)
