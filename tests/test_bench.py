@@ -363,9 +363,8 @@ def test_the_default_quickstart_leaves_out_what_cannot_pay():
     keeps both one override away (experiment=full_set)."""
     from hydra import compose, initialize_config_dir
 
-    from tests.conftest import REPO_ROOT
-
     import decoders.evaluation.bench_config  # noqa: F401  (stores bench=default, as the command line does)
+    from tests.conftest import REPO_ROOT
 
     with initialize_config_dir(config_dir=f"{REPO_ROOT}/conf", version_base=None):
         quick = compose(config_name="bench")

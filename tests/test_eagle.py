@@ -16,8 +16,8 @@ from decoders.engine.registry import verifier_registry
 from decoders.engine.sampling import SamplingConfig
 from decoders.engine.state import DecodeState
 from decoders.models.session import ModelSession
-from proposers.eagle.artifact import CONFIG_FILE, load_artifact
 from decoders.models.target import Target
+from proposers.eagle.artifact import CONFIG_FILE, load_artifact
 from proposers.eagle.drafter import resolve_layers, target_features
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical

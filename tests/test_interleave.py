@@ -10,8 +10,8 @@ import pytest
 
 from decoders.engine import decoding as decoding_module
 from decoders.engine.sampling import SamplingConfig
-from decoders.evaluation.scheduling import in_step
 from decoders.evaluation.metrics import Record
+from decoders.evaluation.scheduling import in_step
 from tests.conftest import random_prompts
 
 PIPELINES = [

@@ -50,9 +50,9 @@ from decoders.engine.pipeline import Pipeline
 from decoders.engine.proposer import Proposer
 from decoders.engine.sampling import SamplingConfig
 from decoders.evaluation.contenders import build_pipelines
-from decoders.evaluation.scheduling import turn_ids
 from decoders.evaluation.files import read_results, write_json
 from decoders.evaluation.metrics import Record, pipeline_entry
+from decoders.evaluation.scheduling import turn_ids
 from decoders.evaluation.workloads import load_workload, workload_config
 from decoders.models.cost import CostCurve, read_cost_curve
 from decoders.models.loading import load_model
