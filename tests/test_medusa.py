@@ -14,7 +14,7 @@ from decoders.models.loading import ModelConfig, load_model
 from decoders.models.session import ModelSession
 from proposers.copy_attention import mixture
 from proposers.medusa.artifact import load_artifact, save_artifact
-from proposers.medusa.proposer import best_tree, build_tree, draw_siblings
+from proposers.medusa.trees import best_tree, build_tree, draw_siblings
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
 from tests.test_copy_attention import entries_of

@@ -44,7 +44,7 @@ from decoders.models.session import ModelSession
 from proposers.copy_attention import label_probability, mixture
 from proposers.medusa.artifact import CONFIG_FILE, load_artifact, save_artifact
 from proposers.medusa.heads import LORA_TARGETS, MedusaHeads
-from proposers.medusa.proposer import best_tree
+from proposers.medusa.trees import best_tree
 from train import checkpoints
 from train.data import Sequence, split_heldout
 from train.job import TrainJob

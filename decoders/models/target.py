@@ -41,13 +41,12 @@ from decoders.models.kernels import (
     DEFAULT_MAX_ROWS,
     PACKED_FROM,
     LinearRoute,
-    TiledMasks,
     linear_route,
-    packed_gqa_attention,
     packed_route_available,
     route_linears,
     unroute_linears,
 )
+from decoders.models.packed_attention import TiledMasks, packed_gqa_attention
 from decoders.models.session import ModelSession
 from decoders.models.taps import LayerTap
 
