@@ -1,6 +1,6 @@
 """The transformers model zoo in miniature: tiny seeded decoder-only models of many
 architectures, built from their configs (2 layers, hidden 64, the byte tokenizer's 320
-ids), for the conformance matrix (tests/test_architectures.py).
+ids), for the conformance matrix (tests/decoders/models/test_architectures.py).
 
 Each entry names its attention family, so the matrix covers every one: full attention
 with rotary positions, partial rotary, learned absolute positions, ALiBi, sliding

@@ -27,6 +27,8 @@ os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)  # tiny models gain nothing from threads; CI has 2 shared cores
 
 from decoders import Pipeline  # noqa: E402
+from decoders.engine.proposer import NeedsTokenizer  # noqa: E402
+from decoders.engine.registry import verifier_registry  # noqa: E402
 from decoders.models import cpu  # noqa: E402
 from decoders.models.cost import COST_CURVE_ENV, CostCurve  # noqa: E402
 from decoders.models.loading import ModelConfig, load_model  # noqa: E402
@@ -94,8 +96,8 @@ def tiny_pipeline(tiny_model, tiny_config, tmp_path) -> Pipeline:
 def trained_artifacts(tmp_path_factory) -> Path:
     """An artifacts dir with the default Medusa recipe (copy heads) and an EAGLE drafter
     trained for the tiny model (seconds), so pipelines over every registered proposer can run."""
-    from tests.test_eagle import train_tiny_eagle
-    from tests.test_train import train_tiny_medusa
+    from tests.proposers.test_eagle import train_tiny_eagle
+    from tests.train.test_train import train_tiny_medusa
 
     directory = tmp_path_factory.mktemp("trained-artifacts")
     train_tiny_medusa(directory)
@@ -171,13 +173,13 @@ def cpu_without(monkeypatch):
 #
 # The ``grammar`` proposer drafts a constraint's forced tokens and nothing without one, so the
 # tests that run every registered proposer unconstrained and need drafts accepted skip it;
-# tests/test_constraint.py runs it, alone and merged with every other proposer, under
+# tests/decoders/engine/test_constraint.py runs it, alone and merged with every other proposer, under
 # constraints (greedy identity, exact mode, sampled distributions).
 CONSTRAINT_ONLY_PROPOSERS = frozenset({"grammar"})
 # ``span`` copies the prompt's *text*: the tiny random models never copy text, so there its drafts
 # are verified and rejected, not accepted. The matrices ask of it drafts the target verified
 # (identity with rejections exercised); acceptance is measured on the default model (the
-# structured bench: identical outputs 1.00) and its drafts' shapes in tests/test_span.py.
+# structured bench: identical outputs 1.00) and its drafts' shapes in tests/proposers/test_span.py.
 TEXT_PROPOSERS = frozenset({"span"})
 
 
@@ -190,5 +192,21 @@ def pytest_collection_modifyitems(config, items):
             and "test_constraint" not in item.nodeid
         ):
             item.add_marker(
-                pytest.mark.skip(reason="drafts only under a constraint: tests/test_constraint.py runs it")
+                pytest.mark.skip(
+                    reason="drafts only under a constraint: tests/decoders/engine/test_constraint.py runs it"
+                )
             )
+
+
+def lossless_verifiers() -> list[str]:
+    """Every registered verifier that declares itself lossless: the losslessness matrices' columns."""
+    return [v for v in verifier_registry.names() if verifier_registry.get(v).lossless]
+
+
+def pipeline_or_skip(base: Pipeline, proposer, verifier="rejection", sampling=None) -> Pipeline:
+    """``base`` with ``proposer`` and ``verifier``; skipped where the proposer needs a trained
+    artifact that is not there (its own tests cover it) or a tokenizer the model lacks."""
+    try:
+        return base.with_components(proposer, verifier, sampling)
+    except (FileNotFoundError, NeedsTokenizer) as missing:
+        pytest.skip(str(missing))

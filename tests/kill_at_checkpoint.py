@@ -1,7 +1,7 @@
 """``python -m tests.kill_at_checkpoint STEP <train overrides>``: ``python -m train``,
 except that the main process kills itself with SIGKILL (no handler, no cleanup: what
 an out-of-memory kill or a lost node does) right after the checkpoint of step STEP
-is written. For tests/test_scale.py."""
+is written. For tests/train/test_scale.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``python -m tests.late_rank <train overrides>``: ``python -m train``, except that the
 process of rank 1 reaches the data cache 4 s after the others, as after a slow start-up:
 the others must not write parts before every process has looked at the cache. For
-tests/test_scale.py."""
+tests/train/test_scale.py."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from decoders.engine.registry import proposer_registry
-from tests.conftest import random_prompts
-from tests.test_greedy_identity import lossless_verifiers
+from tests.conftest import lossless_verifiers, random_prompts
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 

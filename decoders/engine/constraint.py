@@ -20,7 +20,7 @@ the grammar, and applies it at every row of every pass:
   the verifiers then runs with the q its token was drawn from, and a position whose
   nodes were all cut is decoded from the constrained target directly; either way the
   position's token has the constrained target's distribution, so the cut is lossless
-  (tests/test_constraint.py checks it by enumeration and by sampling).
+  (tests/decoders/engine/test_constraint.py checks it by enumeration and by sampling).
 * **forced tokens**: where the grammar allows one continuation only (keys, quotes,
   braces, the rest of an enum value), the engine appends it, tokenised canonically,
   to every leaf of a speculative draft (:meth:`GrammarState.extend_forced`) and the

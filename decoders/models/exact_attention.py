@@ -176,7 +176,7 @@ def _invariant_attention(
     # Every query row against the shared keys in one product, and against the tail's keys
     # (padded to whole chunks) in another: a score's bits depend on its query row and key
     # only, not on which other rows or keys share the product (the start-up check and
-    # tests/test_exact.py hold this). Each row's tail scores are then gathered into the
+    # tests/decoders/models/test_exact.py hold this). Each row's tail scores are then gathered into the
     # layout its own pass has: a gather of scores, not of keys.
     packed = query.reshape(kv_heads, groups * rows, dim)  # query rows (group, row) per key head
     parts = []  # (peak, total, mixed): (kv_heads, groups, rows, chunks[, d])

@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 import verifiers.rejection as rejection
 from decoders import Pipeline
 from decoders.engine.draft import Draft
-from decoders.engine.proposer import NeedsTokenizer
 from decoders.engine.registry import proposer_registry
 from decoders.engine.sampling import NonFiniteLogitsError, SamplingConfig, processed_probs, sample
 from decoders.engine.state import DecodeState
@@ -40,6 +39,7 @@ from decoders.evaluation.audit_statistics import (
     sequential_goodness_of_fit,
 )
 from decoders.models.loading import ModelConfig, load_model
+from tests.conftest import pipeline_or_skip
 from verifiers.greedy import greedy_walk
 from verifiers.rejection import RejectionVerifier, point_mass, residual_distribution
 
@@ -363,13 +363,6 @@ def test_temperature_zero_rejection_is_greedy_verification(sampled):
 
 
 # ------------------------------------------------------------- through the pipeline
-
-
-def pipeline_or_skip(base: Pipeline, proposer: str, verifier: str = "rejection", sampling=None) -> Pipeline:
-    try:
-        return base.with_components(proposer, verifier, sampling)
-    except (FileNotFoundError, NeedsTokenizer) as missing:  # needs a trained artifact that is not there
-        pytest.skip(str(missing))
 
 
 @pytest.fixture(scope="module")

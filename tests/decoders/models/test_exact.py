@@ -19,8 +19,7 @@ from decoders.models.kernels import linear_route, route_narrow_linears, wants_ex
 from decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
 from decoders.models.session import ModelSession
 from decoders.models.target import Target
-from tests.conftest import cpu_for, random_prompts, split_dtype
-from tests.test_greedy_identity import lossless_verifiers, pipeline_or_skip
+from tests.conftest import cpu_for, lossless_verifiers, pipeline_or_skip, random_prompts, split_dtype
 
 DTYPES = ["float64", "float32", "bfloat16", "bfloat16-avx2"]  # -avx2: on F.linear, as without oneDNN bf16
 # Two roots, siblings between a node and its ancestors, 12 nodes: more than one
@@ -247,7 +246,7 @@ def test_audit_reports_bit_identical(tmp_path, drafting_pays, exact):
     the tokens still agree (ties are rare) but the logits do not: the narrow route
     computes single rows (gemv) and passes of several (gemm) with different sums."""
     from decoders.evaluation.audit import run_audit
-    from tests.test_audit import audit_config
+    from tests.decoders.evaluation.test_audit import audit_config
 
     cfg = audit_config(
         tmp_path, "model.dtype=float32", f"model.exact={exact}", "proposer=ngram", "audit.prompts=3"

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from decoders.engine.proposer import NeedsTokenizer
-from decoders.engine.registry import proposer_registry, verifier_registry
-from tests.conftest import CONSTRAINT_ONLY_PROPOSERS, TEXT_PROPOSERS, random_prompts
-
-
-def lossless_verifiers() -> list[str]:
-    return [v for v in verifier_registry.names() if verifier_registry.get(v).lossless]
-
-
-def pipeline_or_skip(base, proposer, verifier):
-    try:
-        return base.with_components(proposer, verifier)
-    except (FileNotFoundError, NeedsTokenizer) as missing:  # needs a trained artifact: its own tests cover it
-        pytest.skip(str(missing))
+from decoders.engine.registry import proposer_registry
+from tests.conftest import (
+    CONSTRAINT_ONLY_PROPOSERS,
+    TEXT_PROPOSERS,
+    lossless_verifiers,
+    pipeline_or_skip,
+    random_prompts,
+)
 
 
 @pytest.mark.parametrize("verifier", lossless_verifiers())
@@ -98,7 +92,7 @@ DRAFT_SHAPES: dict[str, list[dict]] = {
     "span": [
         {},
         {"endings": 0, "min_chars": 1, "adaptive": False},
-    ],  # drafts only under a constraint: tests/test_constraint.py
+    ],  # drafts only under a constraint: tests/decoders/engine/test_constraint.py
 }
 
 

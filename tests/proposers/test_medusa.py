@@ -17,8 +17,8 @@ from proposers.medusa.artifact import load_artifact, save_artifact
 from proposers.medusa.trees import best_tree, build_tree, draw_siblings
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
-from tests.test_copy_attention import entries_of
-from tests.test_train import train_tiny_medusa
+from tests.proposers.test_copy_attention import entries_of
+from tests.train.test_train import train_tiny_medusa
 from train.medusa import Config, build_heads
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]

@@ -129,7 +129,7 @@ def test_an_interrupted_audit_keeps_finished_prompts_and_never_passes(tmp_path, 
     """Interrupted during the greedy test: the prompts done are kept; during the sampling
     test: not passed, not 'skipped (temperature=0)', and says which test was cut short."""
     from decoders.evaluation import audit as audit_module
-    from tests.test_audit import audit_config
+    from tests.decoders.evaluation.test_audit import audit_config
 
     kept: list[dict] = []
     real = audit_module.sample_outcomes
@@ -159,7 +159,7 @@ def linear_regression(rows_count: int):
     """(rows, a logger that logs nothing, a linear module, its squared loss) for fit()."""
     import torch
 
-    from tests.test_train import compose_train
+    from tests.train.test_train import compose_train
     from train.loop import RunLogger
 
     rows = {

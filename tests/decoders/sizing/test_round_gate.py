@@ -19,7 +19,7 @@ from decoders.models.cost import CostCurve
 from decoders.sizing.round_gate import AFTER_ACCEPT, AFTER_MISS, RoundGate
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target
-from tests.test_train import train_tiny_medusa
+from tests.train.test_train import train_tiny_medusa
 
 T1 = 0.01
 CURVE = CostCurve({1: T1, 2: T1, 4: 1.2 * T1, 8: 1.5 * T1, 16: 2 * T1, 32: 4 * T1, 64: 8 * T1})

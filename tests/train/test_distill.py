@@ -26,7 +26,7 @@ from decoders.evaluation.audit_statistics import (
 )
 from decoders.models.loading import ModelConfig
 from proposers.draft_model import DRAFT_VOCAB_FILE, FROM_TARGET_FILE, load_draft_sharing_target
-from tests.test_train import compose_train
+from tests.train.test_train import compose_train
 from train.data import DataConfig, self_distilled, split_heldout
 from train.draft_model import META_FILE, build_draft, chosen_layers, distillation_loss, total_variation
 from train.job import run

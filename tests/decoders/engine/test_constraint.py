@@ -29,7 +29,7 @@ from decoders.engine.sampling import SamplingConfig, processed_probs
 from decoders.evaluation.peers import GrammarLogitsProcessor
 from tests.bench_helpers import run_bench, tiny_overrides
 from tests.conftest import REPO_ROOT, TEXT_PROPOSERS, random_prompts
-from tests.test_greedy_identity import shape_cases, shape_id
+from tests.decoders.engine.test_greedy_identity import shape_cases, shape_id
 from verifiers.rejection import residual_distribution
 
 SCHEMA = {
@@ -119,7 +119,7 @@ def test_the_grammar_proposer_merges_losslessly_with_every_proposer(drafting_pay
 @pytest.mark.parametrize("proposer", ["ngram", "grammar", "draft_model"])
 def test_constrained_output_is_bit_identical_in_exact_mode(proposer):
     from decoders.models.loading import ModelConfig, byte_tokenizer
-    from tests.test_exact import exact_tiny
+    from tests.decoders.models.test_exact import exact_tiny
 
     base = Pipeline(exact_tiny("bfloat16"), byte_tokenizer(), model_config=ModelConfig(name="tiny-random"))
     pipeline = base.with_components(proposer, "tree")
@@ -358,7 +358,7 @@ def test_the_audit_checks_a_pipeline_under_a_constraint(tmp_path):
     """`audit` with constraint.*: standard decoding and the pipeline both decode under it."""
     from decoders.evaluation.audit import run_audit
     from tests.bench_helpers import write_workload
-    from tests.test_audit import audit_config
+    from tests.decoders.evaluation.test_audit import audit_config
 
     cfg = audit_config(
         tmp_path, "proposer=merge", "proposer.members=[grammar,span]", "verifier=tree",

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 import train.generation as generation
 from decoders import Pipeline
 from tests.conftest import REPO_ROOT
-from tests.test_distill import TINY_DISTILL
-from tests.test_train import compose_train
+from tests.train.test_distill import TINY_DISTILL
+from tests.train.test_train import compose_train
 from train.draft_model import META_FILE
 from train.job import run
 from train.loop import FitConfig, RunLogger, ScaleConfig, fit

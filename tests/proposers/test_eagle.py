@@ -21,7 +21,7 @@ from proposers.eagle.artifact import CONFIG_FILE, load_artifact
 from proposers.eagle.drafter import resolve_layers, target_features
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
-from tests.test_train import compose_train
+from tests.train.test_train import compose_train
 from train.eagle import Config, padded, ranked, unrolled
 from train.job import run
 

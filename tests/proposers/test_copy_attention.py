@@ -9,7 +9,7 @@ import torch
 from decoders.models.session import ModelSession
 from proposers.copy_attention import ContextMemory, CopyAttention, mixture
 from tests.conftest import random_prompts
-from tests.test_train import train_tiny_medusa
+from tests.train.test_train import train_tiny_medusa
 from train.data import Sequence
 from train.medusa import IGNORE, head_inputs, sequence_views, training_rows
 
