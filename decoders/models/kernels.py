@@ -73,6 +73,9 @@ class LinearRoute:
     packed_from: int = PACKED_FROM
     packed: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     product_rows: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    # exact_product_rows measured per (weight shape, dtype, device, packed): what the kernels
+    # do, measured once per owner (a Target passes its own, so every route it installs shares it)
+    widths: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # the class a routed layer takes: nn.Linear with this route's forward
@@ -100,7 +103,7 @@ def route_linears(model: torch.nn.Module, route: LinearRoute) -> int:
             packed = route.transposed and dtype in PACKED_DTYPES and packed_route_available(dtype)
             # exact mode on F.linear: the default route, and bfloat16 without oneDNN's packed linear
             if route.exact and (packed or not route.transposed or dtype in PACKED_DTYPES):
-                rows = exact_product_rows(module.weight.detach(), route.max_rows, packed)
+                rows = exact_product_rows(module.weight.detach(), route.max_rows, packed, route.widths)
                 route.product_rows[module] = rows
             count += 1
     return count
@@ -256,23 +259,25 @@ def exact_linear_rows(rows: int) -> int:
     return -(-rows // 4) * 4
 
 
-_PRODUCT_ROWS: dict[tuple, int] = {}  # (weight shape, dtype, device, packed) -> exact_product_rows
 PRODUCT_PROBES = 3  # random inputs each width is checked on
 
 
 @torch.no_grad()
-def exact_product_rows(weight: torch.Tensor, max_rows: int = DEFAULT_MAX_ROWS, packed: bool = False) -> int:
+def exact_product_rows(
+    weight: torch.Tensor, max_rows: int = DEFAULT_MAX_ROWS, packed: bool = False, measured: dict | None = None
+) -> int:
     """The widest product (a multiple of 4, at most ``max_rows``) in which, for every
     multiple of 4 up to it, each row comes out as it does in a product of 4 rows,
-    measured once per process for ``weight``'s shape and dtype (a kernel's choice depends
-    on shapes, not values), on ``F.linear`` or (``packed``) oneDNN's packed linear. The
+    measured once per ``measured`` (a route's or its target's record) for ``weight``'s shape and
+    dtype (a kernel's choice depends on shapes, not values), on ``F.linear`` or (``packed``) oneDNN's packed linear. The
     exact default route computes wider passes in blocks of this many rows. On the AMD
     EPYC first measured, every width from 4 to 64 agreed; on an Intel Xeon with AMX,
     SmolLM2-135M's products agree up to 32-48 rows in bfloat16 and 12 rows in float32
     (MKL takes another kernel from 16 rows for the 1536-wide and vocabulary products),
     the 576-wide ones up to 48."""
+    measured = {} if measured is None else measured
     key = (tuple(weight.shape), weight.dtype, weight.device.type, packed)
-    if key not in _PRODUCT_ROWS:
+    if key not in measured:
         product = PackedProduct(weight) if packed else (lambda x: F.linear(x, weight))
 
         generator = torch.Generator().manual_seed(0)
@@ -284,8 +289,8 @@ def exact_product_rows(weight: torch.Tensor, max_rows: int = DEFAULT_MAX_ROWS, p
                 if not torch.equal(product(x[:rows]), alone[:rows]):
                     widest = rows - 4
                     break
-        _PRODUCT_ROWS[key] = widest
-    return _PRODUCT_ROWS[key]
+        measured[key] = widest
+    return measured[key]
 
 
 def exact_blocks(flat: torch.Tensor) -> list[tuple[torch.Tensor, int]]:

@@ -72,6 +72,12 @@ class Target:
         self._tap: LayerTap | None = None
         self._pass_times: dict[bool, PassTimes] = {}  # by exact mode
         self._curves: dict[tuple, CostCurve] = {}  # by (key, exact mode)
+        # the routes installed so far, by mode (the target's and its drafters' linears alike),
+        # sharing the packed weight copies and the exact products' measured widths: switching
+        # modes back and forth (the bench's exact-off twins) re-packs and re-measures nothing
+        self._routes: dict[tuple[bool, bool], LinearRoute] = {}
+        self._packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._widths: dict = {}
         self.narrow = self.exact = False
         self.configure(narrow, exact)
         # a target dropped without close() still leaves transformers' registry clean
@@ -97,8 +103,13 @@ class Target:
         beside it) the route of this target's passes, or the one named; returns how many."""
         narrow = self.narrow if narrow is None else narrow
         exact = self.exact if exact is None else exact
-        packed_from = PACKED_FROM if narrow and not exact and packed_route_available() else 1 << 30
-        return route_linears(module, LinearRoute(DEFAULT_MAX_ROWS, narrow, exact, packed_from))
+        slot = (narrow, exact)
+        if slot not in self._routes:
+            packed_from = PACKED_FROM if narrow and not exact and packed_route_available() else 1 << 30
+            self._routes[slot] = LinearRoute(
+                DEFAULT_MAX_ROWS, narrow, exact, packed_from, packed=self._packed, widths=self._widths
+            )
+        return route_linears(module, self._routes[slot])
 
     def _attend(self, kind: str, function) -> None:
         from transformers import AttentionInterface

@@ -67,3 +67,15 @@ def test_a_target_refuses_to_wrap_a_target():
     target = Target(tiny_random_model(320, 64, 1, seed=3))
     with pytest.raises(TypeError, match="not a Target"):
         Target(target)
+
+
+def test_switching_modes_back_and_forth_reuses_the_routes():
+    """The bench's exact-off twins switch exact mode around every call: the target keeps one
+    route per mode, so the packed weight copies and measured widths are made once."""
+    target = Target(tiny_random_model(320, 64, 2, seed=3), narrow=True, exact=False)
+    plain = linear_route(target.model)
+    target.configure(narrow=True, exact=True)
+    exact = linear_route(target.model)
+    target.configure(narrow=True, exact=False)
+    assert linear_route(target.model) is plain and plain is not exact
+    assert plain.packed is exact.packed and plain.widths is exact.widths
