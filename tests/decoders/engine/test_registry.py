@@ -126,3 +126,27 @@ def test_builtins_are_listed_before_they_are_imported():
         registry = proposer_registry if name in BUILTIN_PROPOSERS else verifier_registry
         cls = registry.get(name)
         assert f"{cls.__module__}:{cls.__qualname__}" == target
+
+
+def test_declarations_drive_the_trainer_cli_and_presets():
+    """Every drafter ``python -m train`` offers comes from a proposer's declaration (artifact,
+    trainer), and preset labels resolve to the proposer that declares them."""
+    from decoders.engine.registry import drafter_trainers, find_preset
+
+    assert drafter_trainers() == {
+        "draft_model": "train.draft_model",
+        "eagle": "train.eagle",
+        "early_exit": "train.early_exit",
+        "medusa": "train.medusa",
+    }
+    name, preset = find_preset("copy_heads_chain")
+    assert name == "copy_heads" and preset.options["tree"] is None
+    assert find_preset("copy_heads") is None and find_preset("nope_chain") is None
+
+
+def test_a_proposer_that_drafts_trees_gets_the_tree_verifier_by_default(tiny_pipeline):
+    assert tiny_pipeline.with_components("draft_model", None).verifier.name == "tree"
+    assert (
+        tiny_pipeline.with_components({"name": "draft_model", "tree": False}, None).verifier.name == "greedy"
+    )
+    assert tiny_pipeline.with_components("ngram", None).verifier.name == "greedy"

@@ -391,3 +391,19 @@ def test_the_table_warns_when_the_aa_twin_is_outside_three_percent(speedup, warn
         entry.update(ideal_speedup=None, efficiency=None, categories={})
     last = bench_results.format_table(payload).splitlines()[-1]
     assert last.startswith("warning: the A/A twin ran at 0.940x") if warns else "within ±3%" in last
+
+
+def test_bench_entries_name_presets_by_label(trained_pipeline):
+    """A proposer's name runs its defaults, a preset label the variant its class declares;
+    ``{preset: ...}`` keeps the preset and takes a label or round gate of its own."""
+    from decoders.evaluation.contenders import listed_pipeline
+
+    chain = listed_pipeline(trained_pipeline, "copy_heads_chain", None)
+    assert chain.name == "copy_heads_chain" and chain.proposer.name == "copy_heads"
+    assert chain.proposer.config.tree is None and chain.verifier.name == "greedy"
+    tree = listed_pipeline(
+        trained_pipeline, {"preset": "copy_heads", "label": "ungated", "round_gate": False}, None
+    )
+    assert tree.name == "ungated" and tree.proposer.config.tree == "dynamic" and tree.verifier.name == "tree"
+    assert not tree.round_gate
+    assert listed_pipeline(trained_pipeline, "ngram", None).name == "ngram+greedy"  # a bare name: as before
