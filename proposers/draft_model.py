@@ -113,7 +113,7 @@ class DraftModelProposer(Proposer):
         self.tree = DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
         draft_dir = self._draft_dir()
         # which draft ran: the user's, the shipped one, a hub/path draft (None: the seeded tiny draft)
-        self.artifact = artifact_source(draft_dir) if draft_dir is not None else None
+        self.artifact_source = artifact_source(draft_dir) if draft_dir is not None else None
         self.draft = self._load_draft(draft_dir)  # the draft model as a Target of its own
         self.model = self.draft.model
         self.session = self.draft.session()
@@ -265,7 +265,7 @@ class DraftModelProposer(Proposer):
 
     def describe(self) -> dict:
         facts: dict = {
-            "artifact": self.artifact,
+            "artifact": self.artifact_source,
             "draft_parameters": sum(p.numel() for p in self.model.parameters()),
         }
         if self.vocabulary is not None:

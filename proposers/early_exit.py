@@ -210,7 +210,7 @@ class EarlyExitProposer(Proposer):
             )
         self.exit_layer = exit_layer
         check_layered_equivalence(target, exit_layer)
-        self.artifact: dict | None = None  # the trained exit's source, set by _load_exit
+        self.artifact_source: dict | None = None  # the trained exit's source, set by _load_exit
         self.exit_head = self._load_exit()
         self.kv_reuse = config.kv_reuse and not self.exit_head.adapts_shallow_layers
         if config.kv_reuse and not self.kv_reuse:
@@ -253,7 +253,7 @@ class EarlyExitProposer(Proposer):
         train = f"python -m train drafter=early_exit drafter.exit_layer={self.exit_layer}"
         with readable_artifact(directory, train):
             head = ExitHead.load(target, directory)
-        self.artifact = artifact_source(directory)
+        self.artifact_source = artifact_source(directory)
         if head.exit_layer != self.exit_layer:
             raise ValueError(
                 f"the exit at {directory} was trained for exit layer {head.exit_layer}, not "
@@ -370,7 +370,7 @@ class EarlyExitProposer(Proposer):
             "num_layers": self.context.target.num_layers,
             "kv_reuse": self.kv_reuse,
             "trained": bool(self.config.trained or self.config.adapter_path),
-            "artifact": self.artifact,
+            "artifact": self.artifact_source,
             "adapted_shallow_layers": sorted(int(i) for i in self.exit_head.shallow_layers),
         }
 

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 config = ModelConfig(name=name, dtype="float32")
                 if Path(name).is_dir():
                     config = ModelConfig(name="hf", name_or_path=name, dtype="float32")
-                targets[name] = load_model(config)
+                loaded, loaded_tokenizer = load_model(config)
+                targets[name] = (loaded.model, loaded_tokenizer)  # ship compares tensors: the module
             target, tokenizer = targets[name]
         size = ship(artifact, destination, target, tokenizer)
         print(f"[ship] {artifact} -> {destination} ({size / 1e6:.1f} MB)", file=sys.stderr)

@@ -256,13 +256,13 @@ class Decoding:
         # A live cost curve learns from the passes; not from those that reuse drafting work.
         self.timed = proposer is None or not proposer.drafts_in_target
         # Exact mode keeps a pass's rows exact up to a width; wider drafts are cut to fit.
-        owner = target.target  # the Target whose passes these are (None: a bare module's session)
+        owner = getattr(target, "target", None)  # the Target whose passes these are (None: a bare session)
         self.widest = owner.widest_exact_pass if owner is not None else None
         self.stats.wall_time += time.perf_counter() - start
 
     def _pass_times(self):
         """The target's live pass times, once some pipeline over it follows its live cost."""
-        owner = self.target.target
+        owner = getattr(self.target, "target", None)
         return owner.pass_times() if owner is not None else None
 
     @property

@@ -42,6 +42,7 @@ from decoders.cli.config import (
     store_schema,
     to_dataclass,
 )
+from decoders.engine.decoding import default_verifier
 from decoders.engine.pipeline import Pipeline
 from decoders.engine.registry import verifier_registry
 from decoders.evaluation.audit_statistics import (
@@ -332,6 +333,10 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
     start = time.perf_counter()
 
     speculative = standard.with_components(proposer_cfg, verifier_cfg)
+    if verifier_cfg is None:  # the default for the run's sampling, the same verifier in both checks
+        verifier_cfg = default_verifier(sampling, speculative.verifier.name == "tree")
+        if verifier_cfg != speculative.verifier.name:
+            speculative = standard.with_components(proposer_cfg, verifier_cfg)
     verifier_name = speculative.verifier.name
     declared_lossless = check_lossless_claim(verifier_name, audit)
     greedy_prompts = len(prompts[: audit.prompts])

@@ -90,8 +90,9 @@ def baseline_cost_curves(bench: BenchConfig, base: Pipeline, contenders: list[Co
 def target_cost_curve(bench: BenchConfig, base: Pipeline, output: Path) -> CostCurve:
     """T(n) of the target, from the shared cache or (bench.cost_cache=false) measured
     afresh into the output directory. Called before any contender is timed."""
-    cache = base.context.cost_cache_dir if bench.cost_cache else output.parent
-    return cached_cost_curve(base.model, base.context.target_key, cache, exact=base.target.exact)
+    if bench.cost_cache:  # the target's own: the sizers read the same curve (one measurement, kept)
+        return base.target.cost_curve(base.context.target_key, base.context.cost_cache_dir)
+    return cached_cost_curve(base.model, base.context.target_key, output.parent, exact=base.target.exact)
 
 
 def exact_off_cost_curve(bench: BenchConfig, base: Pipeline, output: Path) -> CostCurve:

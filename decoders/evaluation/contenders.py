@@ -244,7 +244,7 @@ def contenders_for(
         twin = base.with_components(None, None)
         pipelines.append(twin)
         contenders.append(pipeline_contender(twin, AA, "control"))
-    names = chosen_peers(bench.peers, bench.default_peers)
+    names = chosen_peers(bench.peers, bench.default_peers or ["hf_generate"])
     if names != []:
         proposers = {p.proposer.name: p.proposer for p in pipelines if p.proposer is not None}
         peers = make_peers(base.model, sorted(base.eos_token_ids()), base.sampling, proposers, names)

@@ -46,5 +46,5 @@ class PromptReuseSession(ModelSession):
 
 def reusing_prompts(pipeline: Pipeline) -> Pipeline:
     """``pipeline`` with its target session replaced by a :class:`PromptReuseSession`."""
-    pipeline.session = PromptReuseSession(pipeline.model)
+    pipeline.session = PromptReuseSession(pipeline.target)
     return pipeline

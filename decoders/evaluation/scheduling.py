@@ -92,7 +92,7 @@ def turn_ids(pipeline: Pipeline, prompt: Prompt, turn: int, first_answer: str | 
 
 def progress_labels(names: list[str], width: int = 16) -> dict[str, str]:
     """Short progress-bar labels, one per name: a long name keeps its start and its end
-    (``draft_model_tree (ungated)`` -> ``draft_mo…ngated)``), and a name whose short label
+    (``draft_model (ungated)`` -> ``draft_mo…ngated)``), and a name whose short label
     another already took keeps its whole self, so no two contenders share a label."""
     labels: dict[str, str] = {}
     for name in names:

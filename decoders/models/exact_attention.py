@@ -42,7 +42,6 @@ import weakref
 
 import torch
 
-ATTENTION_NAME = "specdec_exact"
 CHUNK = 64  # keys per chunk, in absolute positions
 MKL_MIN_ROWS = 4  # float32/float64 query rows per product: MKL computes 1-3 rows unlike 4 or more
 MAX_ROWS = 64  # wider passes (the prefill) use SDPA

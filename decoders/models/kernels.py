@@ -34,7 +34,7 @@ and it changes the module itself, so every decoder that runs the model
 (standard decoding, the speculative loop, transformers' ``generate`` in the
 peers) gets it.
 
-Exact mode (:func:`configure_passes` with ``exact``; ``model.exact``) routes every
+Exact mode (``model.exact``; :meth:`decoders.models.target.Target.configure`) routes every
 pass, single rows included, so that a row's product does not depend on how many
 rows share it, and switches attention to :mod:`decoders.models.exact_attention`.
 """
@@ -118,8 +118,8 @@ def unroute_linears(model: torch.nn.Module) -> None:
 
 def linear_route(model: torch.nn.Module) -> LinearRoute | None:
     """The route ``model``'s linears take (None: ``nn.Linear``'s own)."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return linears[0].route if linears and isinstance(linears[0], RoutedLinear) else None
+    routed = next((m for m in model.modules() if isinstance(m, RoutedLinear)), None)
+    return routed.route if routed is not None else None
 
 
 def routed_product(module: torch.nn.Linear, x: torch.Tensor, route: LinearRoute) -> torch.Tensor:
@@ -160,7 +160,16 @@ def _exact_default_route(
     """Exact mode's product of ``flat`` (rows, in) without bias: padded to a multiple of
     4 rows, in blocks of the widest product measured to give every row the bits of a
     4-row one (:func:`exact_product_rows`)."""
-    widest = route.product_rows[module]
+    widest = route.product_rows.get(module)
+    if widest is None:  # a layer copied from a routed one (a trained exit's adapted layer): measured now
+        packed = (
+            route.transposed
+            and module.weight.dtype in PACKED_DTYPES
+            and packed_route_available(module.weight.dtype)
+        )
+        widest = route.product_rows[module] = exact_product_rows(
+            module.weight.detach(), route.max_rows, packed, route.widths
+        )
     if flat.shape[0] <= widest:  # every decode pass measured so far: one product
         return product(_zero_padded(flat, exact_linear_rows(flat.shape[0])))[: flat.shape[0]]
     return torch.cat(

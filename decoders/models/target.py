@@ -80,8 +80,9 @@ class Target:
         self._widths: dict = {}
         self.narrow = self.exact = False
         self.configure(narrow, exact)
-        # a target dropped without close() still leaves transformers' registry clean
-        weakref.finalize(self, _unregister, list(self._attention_names.values()))
+        # the registrations live as long as the module that runs them (it may outlive this object);
+        # then transformers' registry is left clean
+        weakref.finalize(model, _unregister, list(self._attention_names.values()))
 
     # ------------------------------------------------------------------ passes
 
@@ -240,5 +241,15 @@ def _unregister(names: list[str]) -> None:
 
 
 def as_target(model: torch.nn.Module | Target) -> Target:
-    """``model`` if it is a Target, else a Target over it that leaves its passes as they are."""
-    return model if isinstance(model, Target) else Target(model)
+    """``model`` if it is a Target, else a Target over it that leaves its passes as they are.
+    A module whose passes a Target already routes is refused: two owners would undo each
+    other's routes (give that Target, e.g. ``pipeline.target``, not ``pipeline.model``)."""
+    if isinstance(model, Target):
+        return model
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    if linear_route(model) is not None or attention.startswith("specdec_"):
+        raise ValueError(
+            "this model's passes already belong to a Target (routed linears or attention): pass that "
+            "Target (pipeline.target, or load_model's first value), not its module"
+        )
+    return Target(model)

@@ -78,7 +78,7 @@ class EagleProposer(Proposer):
         if context.target.narrow:  # drafting passes are narrow passes too
             context.target.route(self.drafter, exact=False)
         self.meta = artifact.meta
-        self.artifact = artifact_source(directory)
+        self.artifact_source = artifact_source(directory)
         self.num_target_layers = context.target.num_layers
         self.layers = self.drafter.feature_layers
         self.tap = context.target.tap([i - 1 for i in self.layers if i < self.num_target_layers])
@@ -244,7 +244,7 @@ class EagleProposer(Proposer):
 
     def describe(self) -> dict:
         facts = {
-            "artifact": self.artifact,
+            "artifact": self.artifact_source,
             "feature_layers": self.layers,
             "draft_vocab_size": len(self.token_ids),
             "k": self.config.k,

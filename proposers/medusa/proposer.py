@@ -174,7 +174,7 @@ class MedusaProposer(Proposer):
                 directory, context.target.output_embeddings(), context.target.input_embeddings()
             )
         self.heads = artifact.heads
-        self.artifact = artifact_source(directory)
+        self.artifact_source = artifact_source(directory)
         if context.target.narrow:  # a dynamic tree's levels are narrow passes too
             context.target.route(self.heads, exact=False)
         self.meta = artifact.meta
@@ -348,7 +348,7 @@ class MedusaProposer(Proposer):
     def describe(self) -> dict:
         if self.dynamic is not None:
             return {
-                "artifact": self.artifact,
+                "artifact": self.artifact_source,
                 "num_heads": self.num_heads,
                 "sequential_heads": self.heads.sequential,
                 **self.dynamic.describe(),
@@ -357,7 +357,7 @@ class MedusaProposer(Proposer):
                 "sampled_acceptance_by_depth_rank": self.tuner.as_dict() if self.tuner is not None else None,
             }
         return {
-            "artifact": self.artifact,
+            "artifact": self.artifact_source,
             "draft_length_rates": self.policy.as_dict() if self.policy is not None else None,
             "num_heads": self.num_heads,
             "sequential_heads": self.heads.sequential,

@@ -10,7 +10,7 @@ from transformers import AttentionInterface
 from decoders.models.cost import CostCurve
 from decoders.models.kernels import RoutedLinear, linear_route
 from decoders.models.loading import tiny_random_model
-from decoders.models.target import Target
+from decoders.models.target import Target, as_target
 
 
 def module_snapshot(model: torch.nn.Module) -> dict:
@@ -79,3 +79,24 @@ def test_switching_modes_back_and_forth_reuses_the_routes():
     target.configure(narrow=True, exact=False)
     assert linear_route(target.model) is plain and plain is not exact
     assert plain.packed is exact.packed and plain.widths is exact.widths
+
+
+def test_a_module_another_target_routes_is_refused_not_rerouted():
+    owner = Target(tiny_random_model(320, 64, 1, seed=3), narrow=True, exact=True)
+    with pytest.raises(ValueError, match="already belong to a Target"):
+        as_target(owner.model)
+    assert as_target(owner) is owner and owner.exact_attention
+
+
+def test_a_copy_of_a_routed_layer_computes_on_the_same_route():
+    """A trained exit adapts copies of the target's layers: in exact mode their products are
+    measured on first use, and each row still equals the row alone."""
+    import copy
+
+    # exact mode on F.linear (not narrow): the route that reads each layer's measured widest product
+    target = Target(tiny_random_model(320, 64, 1, seed=3).to(torch.float32), narrow=False, exact=True)
+    layer = copy.deepcopy(target.model.lm_head)
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        rows = layer(x)
+        assert all(torch.equal(layer(x[i : i + 1])[0], rows[i]) for i in range(6))
