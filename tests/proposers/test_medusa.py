@@ -156,7 +156,7 @@ def test_save_load_round_trip_gives_identical_proposals(tmp_path, sequential):
     assert torch.equal(artifact.heads.draft_vocab, draft_vocab) and artifact.meta == meta
     assert artifact.heads.sequential == sequential
     loaded = artifact.heads
-    pipeline = Pipeline(model, tokenizer, model_config=config, artifacts_dir=tmp_path)
+    pipeline = Pipeline(target, tokenizer, model_config=config, artifacts_dir=tmp_path)
     spec = {"name": "medusa", "path": str(directory), "adaptive": False}
     proposer = pipeline.with_components(spec, "greedy").proposer
     for prompt in random_prompts(4, seed=2):
