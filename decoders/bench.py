@@ -1,12 +1,12 @@
 """Command line: benchmark pipelines against standard decoding (and HF peers).
 
-    python -m decoders.bench                                  # every available pipeline
-    python -m decoders.bench proposer=ngram verifier=greedy bench.peers=true
-    python -m decoders.bench workload=spec_bench workload.path=question.jsonl workload.limit=2
-    python -m decoders.bench -m proposer=ngram proposer.k=2,4,8    # a sweep: one job per value
-    python -m decoders.report multirun/DATE_TIME                  # the sweep's comparison table
+    python -m specdec.decoders.bench                                  # every available pipeline
+    python -m specdec.decoders.bench proposer=ngram verifier=greedy bench.peers=true
+    python -m specdec.decoders.bench workload=spec_bench workload.path=question.jsonl workload.limit=2
+    python -m specdec.decoders.bench -m proposer=ngram proposer.k=2,4,8    # a sweep: one job per value
+    python -m specdec.decoders.report multirun/DATE_TIME                  # the sweep's comparison table
 
-How the contenders are measured: :mod:`decoders.evaluation.benchmark`.
+How the contenders are measured: :mod:`specdec.decoders.evaluation.benchmark`.
 
 Outputs land in Hydra's output directory (``outputs/bench/DATE_TIME/`` for a
 single run, ``multirun/DATE_TIME/JOB/`` per sweep job): results.json (rewritten
@@ -22,15 +22,15 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from decoders.engine.registry import import_plugins_from_argv
+from specdec.decoders.engine.registry import import_plugins_from_argv
 
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
-from decoders.cli.config import CONF_DIR  # noqa: E402
-from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
-from decoders.evaluation.bench_results import format_table, publish  # noqa: E402
-from decoders.evaluation.benchmark import run_benchmark  # noqa: E402
-from decoders.models.loading import resolve_device  # noqa: E402
+from specdec.decoders.cli.config import CONF_DIR  # noqa: E402
+from specdec.decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
+from specdec.decoders.evaluation.bench_results import format_table, publish  # noqa: E402
+from specdec.decoders.evaluation.benchmark import run_benchmark  # noqa: E402
+from specdec.decoders.models.loading import resolve_device  # noqa: E402
 
 
 @hydra.main(config_path=CONF_DIR, config_name="bench", version_base="1.3")

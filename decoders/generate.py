@@ -1,6 +1,6 @@
 """Command line: generate one answer, streamed, then print the run's stats.
 
-python -m decoders.generate prompt="What is speculative decoding?" proposer=ngram verifier=greedy
+python -m specdec.decoders.generate prompt="What is speculative decoding?" proposer=ngram verifier=greedy
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from decoders.engine.registry import import_plugins_from_argv
+from specdec.decoders.engine.registry import import_plugins_from_argv
 
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
-from decoders.cli.config import (  # noqa: E402
+from specdec.decoders.cli.config import (  # noqa: E402
     CONF_DIR,
     component,
     constraint_config,
@@ -22,9 +22,9 @@ from decoders.cli.config import (  # noqa: E402
     model_config,
     sampling_config,
 )
-from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
-from decoders.engine.constraint import grammar_source  # noqa: E402
-from decoders.engine.pipeline import Pipeline  # noqa: E402
+from specdec.decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
+from specdec.decoders.engine.constraint import grammar_source  # noqa: E402
+from specdec.decoders.engine.pipeline import Pipeline  # noqa: E402
 
 
 def format_stats(stats) -> str:

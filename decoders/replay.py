@@ -1,11 +1,11 @@
 """Command line: replay a greedy bench run's recorded outputs through pipelines.
 
-    python -m decoders.replay run=outputs/bench/DATE_TIME
-    python -m decoders.replay run=outputs/bench/DATE_TIME "pipelines=[{proposer:{name:suffix,k:16},verifier:tree}]"
-    python -m decoders.replay run=outputs/bench/DATE_TIME cost_curve=bf16_curve.json
+    python -m specdec.decoders.replay run=outputs/bench/DATE_TIME
+    python -m specdec.decoders.replay run=outputs/bench/DATE_TIME "pipelines=[{proposer:{name:suffix,k:16},verifier:tree}]"
+    python -m specdec.decoders.replay run=outputs/bench/DATE_TIME cost_curve=bf16_curve.json
 
 Seconds per pipeline instead of a bench's minutes, with projected (not measured)
-times: how it works and what it cannot replay, :mod:`decoders.evaluation.replay`.
+times: how it works and what it cannot replay, :mod:`specdec.decoders.evaluation.replay`.
 Writes replay.json and the bench's plots to ``outputs/replay/DATE_TIME/`` (``output=PATH`` elsewhere).
 """
 
@@ -17,15 +17,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from decoders.engine.registry import import_plugins_from_argv
+from specdec.decoders.engine.registry import import_plugins_from_argv
 
 import_plugins_from_argv()  # before Hydra composes, so plugin proposers are valid choices
 
-from decoders.cli.config import CONF_DIR  # noqa: E402
-from decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
-from decoders.evaluation.bench_results import format_table  # noqa: E402
-from decoders.evaluation.plots import bench_plots  # noqa: E402
-from decoders.evaluation.replay import run_replay  # noqa: E402
+from specdec.decoders.cli.config import CONF_DIR  # noqa: E402
+from specdec.decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
+from specdec.decoders.evaluation.bench_results import format_table  # noqa: E402
+from specdec.decoders.evaluation.plots import bench_plots  # noqa: E402
+from specdec.decoders.evaluation.replay import run_replay  # noqa: E402
 
 
 @hydra.main(config_path=CONF_DIR, config_name="replay", version_base="1.3")

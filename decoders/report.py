@@ -1,8 +1,8 @@
 """Command line: one comparison table over a sweep's (or any folder's) results.json files.
 
-    python -m decoders.bench -m proposer=ngram proposer.k=2,4,8    # writes multirun/DATE_TIME/N/results.json
-    python -m decoders.report multirun/DATE_TIME                   # table + report.csv + plot
-    python -m decoders.report outputs/bench --csv all_runs.csv
+    python -m specdec.decoders.bench -m proposer=ngram proposer.k=2,4,8    # writes multirun/DATE_TIME/N/results.json
+    python -m specdec.decoders.report multirun/DATE_TIME                   # table + report.csv + plot
+    python -m specdec.decoders.report outputs/bench --csv all_runs.csv
 
 Every results.json under DIR (searched recursively) contributes one row per
 pipeline it measured; standard decoding is left out (each run's own baseline,
@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from decoders.evaluation.report import collect, markdown_table, report_rows, sweep_plot, write_csv
+from specdec.decoders.evaluation.report import collect, markdown_table, report_rows, sweep_plot, write_csv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{root} is not a directory; pass the sweep folder, e.g. multirun/2026-01-31_12-00-00")
     runs = collect(root)
     if not runs:
-        parser.error(f"no results.json under {root}; run `python -m decoders.bench -m ...` first")
+        parser.error(f"no results.json under {root}; run `python -m specdec.decoders.bench -m ...` first")
     rows, varying = report_rows(runs, root)
     if not rows:
         print(f"[report] {len(runs)} results file(s), but none measured anything besides standard decoding")

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from proposers.vocabulary import on_vocabulary
+from specdec.proposers.vocabulary import on_vocabulary
 
 GATE_BIAS = 1.5  # a fresh gate gives the head sigmoid(1.5) = 0.82 of the mass
 SCALE = 15.0  # a fresh pointer's inverse temperature on cosine scores

@@ -1,6 +1,6 @@
 """A separate, smaller causal LM drafts k tokens autoregressively.
 
-The draft keeps its own KV cache (a :class:`~decoders.models.session.ModelSession`).
+The draft keeps its own KV cache (a :class:`~specdec.decoders.models.session.ModelSession`).
 Before each round it is synced with what the target committed: the cache is
 cut back to the longest prefix it shares with the committed tokens (accepted
 draft tokens stay cached; rejected ones are dropped) and only the missing
@@ -52,13 +52,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from decoders.engine.context import artifact_source
-from decoders.engine.draft import Draft, Round
-from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
-from decoders.engine.registry import register_proposer
-from decoders.engine.sampling import check_finite
-from decoders.models.loading import (
+from specdec.decoders.engine.context import artifact_source
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.files import readable_artifact
+from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
+from specdec.decoders.engine.registry import register_proposer
+from specdec.decoders.engine.sampling import check_finite
+from specdec.decoders.models.loading import (
     ModelConfig,
     load_model,
     prepare_model,
@@ -66,9 +66,9 @@ from decoders.models.loading import (
     resolve_dtype,
     tiny_draft_model,
 )
-from decoders.models.target import Target
-from decoders.sizing.dynamic_tree import DynamicTree
-from proposers.vocabulary import ReducedVocabulary
+from specdec.decoders.models.target import Target
+from specdec.decoders.sizing.dynamic_tree import DynamicTree
+from specdec.proposers.vocabulary import ReducedVocabulary
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 AUTO_VOCAB_SIZE = 4096  # vocab_size: auto (FR-Spec's vocabulary; measured best on the default target)
@@ -82,7 +82,7 @@ class IncompatibleTokenizerError(ValueError):
 @register_proposer("draft_model")
 class DraftModelProposer(Proposer):
     artifact = "draft_model"
-    trainer = "train.draft_model"
+    trainer = "specdec.train.draft_model"
     presets = (Preset("draft_model_chain", {"tree": False, "k": 4}),)
 
     @dataclass
@@ -151,7 +151,7 @@ class DraftModelProposer(Proposer):
             return None
         raise FileNotFoundError(
             f"no draft model for target {context.target_key!r} at {artifact}. Train one "
-            f"with `python -m train drafter=draft_model model={context.model_config.name}` "
+            f"with `python -m specdec.train drafter=draft_model model={context.model_config.name}` "
             "or point proposer.name_or_path at a Hugging Face causal LM with the same tokenizer."
         )
 
@@ -166,7 +166,7 @@ class DraftModelProposer(Proposer):
         device = str(target.device)
         model_config = ModelConfig(name="hf", name_or_path=path, dtype=dtype, device=device)
         if (draft_dir / FROM_TARGET_FILE).exists():
-            with readable_artifact(draft_dir, "python -m train drafter=draft_model"):
+            with readable_artifact(draft_dir, "python -m specdec.train drafter=draft_model"):
                 return load_draft_sharing_target(draft_dir, target.model, model_config)
         model, tokenizer = load_model(model_config)
         check_same_tokenizer(self.context.tokenizer, tokenizer, path)
@@ -276,7 +276,7 @@ class DraftModelProposer(Proposer):
 
 
 def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: ModelConfig) -> Target:
-    """Load a draft stored without what it shares with its target (``python -m train.ship``).
+    """Load a draft stored without what it shares with its target (``python -m specdec.train.ship``).
 
     ``from_target.json`` lists the tensors the draft took unchanged from the target
     (embeddings, LM head): they are not stored but taken from the loaded target by name,
@@ -292,7 +292,7 @@ def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: Mod
     if absent or unexpected:
         raise ValueError(
             f"the draft at {directory} does not fit this target: {absent or unexpected} "
-            "(ship it again with `python -m train.ship` for this target)"
+            "(ship it again with `python -m specdec.train.ship` for this target)"
         )
     for name in shared:
         tensor = target_tensors[name]
@@ -306,7 +306,7 @@ def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: Mod
     unfilled = set(missing) - set(shared) - tied
     if unfilled:
         raise ValueError(
-            f"the draft at {directory} lacks {sorted(unfilled)}; ship it again with `python -m train.ship`"
+            f"the draft at {directory} lacks {sorted(unfilled)}; ship it again with `python -m specdec.train.ship`"
         )
     return prepare_model(draft, cfg)
 
@@ -355,7 +355,7 @@ class DraftVocabulary(ReducedVocabulary):
         if not path.exists():
             raise FileNotFoundError(
                 f"proposer.vocab_size needs {path} (the draft's ranked vocabulary); "
-                "`python -m train drafter=draft_model` writes it next to the distilled draft, "
+                "`python -m specdec.train drafter=draft_model` writes it next to the distilled draft, "
                 "or leave proposer.vocab_size=null to draft over the full vocabulary."
             )
         ranked = json.loads(path.read_text())

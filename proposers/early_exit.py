@@ -22,7 +22,7 @@ E layers for k of its k + 1 tokens; its logits equal a full pass's up to
 floating-point summation order.
 
 With ``adaptive`` (default) each round's length, 0 included, is chosen before
-any shallow layer runs, by :class:`decoders.sizing.draft_length.DraftLengthPolicy`
+any shallow layer runs, by :class:`specdec.decoders.sizing.draft_length.DraftLengthPolicy`
 from the acceptance measured per depth, T(n), and a drafted token's cost: T(1)
 times the share of a pass's weights it reads (layers [0, E) and the LM head; 0.42
 at exit 8 of SmolLM2-135M, whose head weighs as much as 7 layers). Where no draft
@@ -46,16 +46,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoders.engine.context import artifact_source
-from decoders.engine.draft import Draft, Round
-from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
-from decoders.engine.registry import register_proposer
-from decoders.engine.sampling import check_finite
-from decoders.models.layered import LayeredDecoder, check_layered_equivalence
-from decoders.models.session import ModelSession
-from decoders.sizing.draft_length import DraftLengthPolicy
-from decoders.sizing.search import PassSeconds
+from specdec.decoders.engine.context import artifact_source
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.files import readable_artifact
+from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
+from specdec.decoders.engine.registry import register_proposer
+from specdec.decoders.engine.sampling import check_finite
+from specdec.decoders.models.layered import LayeredDecoder, check_layered_equivalence
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.sizing.search import PassSeconds
 
 EXIT_WEIGHTS = "exit.safetensors"
 EXIT_CONFIG = "exit_config.json"
@@ -180,7 +180,7 @@ def exit_artifact_dir(context, exit_layer: int) -> Path:
 @register_proposer("early_exit")
 class EarlyExitProposer(Proposer):
     artifact = "early_exit"  # optional: without it the exit is the target's own norm and head
-    trainer = "train.early_exit"
+    trainer = "specdec.train.early_exit"
     # the shipped trained exit of the default target (30 layers): cannot pay there (0.98x)
     presets = (Preset("early_exit_trained", {"exit_layer": 8, "trained": True, "min_confidence": 0.5}),)
 
@@ -246,11 +246,11 @@ class EarlyExitProposer(Proposer):
         if not (directory / EXIT_WEIGHTS).exists():
             raise FileNotFoundError(
                 f"no trained early exit for layer {self.exit_layer} of target {self.context.target_key!r} "
-                f"at {directory}. Train one with `python -m train drafter=early_exit "
+                f"at {directory}. Train one with `python -m specdec.train drafter=early_exit "
                 f"model={self.context.model_config.name} drafter.exit_layer={self.exit_layer}`, "
                 "or set proposer.trained=false to draft with the target's own norm and head."
             )
-        train = f"python -m train drafter=early_exit drafter.exit_layer={self.exit_layer}"
+        train = f"python -m specdec.train drafter=early_exit drafter.exit_layer={self.exit_layer}"
         with readable_artifact(directory, train):
             head = ExitHead.load(target, directory)
         self.artifact_source = artifact_source(directory)

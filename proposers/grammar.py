@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.engine.draft import Draft
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import register_proposer
+from specdec.decoders.engine.draft import Draft
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import register_proposer
 
 
 @register_proposer("grammar")

@@ -10,7 +10,7 @@ verifier keeps). A round where only one member proposes anything sends that
 member's draft unchanged (with its draft_probs, if sampled).
 
 Each member sizes its own draft from its own config and sees, after the
-round, a :class:`~decoders.engine.draft.Round` of its own: its draft, the
+round, a :class:`~specdec.decoders.engine.draft.Round` of its own: its draft, the
 accepted path mapped back to that draft's nodes (a member's node is accepted
 when the joined node it became is), the nodes the target saw, and its own
 drafting seconds (timed here, one member at a time), so adaptive members
@@ -29,7 +29,7 @@ acceptance they would get alone.
 The joined tree is sized as a whole (``joint_budget``, on by default): every
 deterministic node a member estimated (``Draft.values``, its calibrated chance
 that the node's path is accepted; a shared node takes the best estimate, and
-counts once) competes in one :func:`decoders.sizing.search.best_size` against
+counts once) competes in one :func:`specdec.decoders.sizing.search.best_size` against
 the target's T(n) and the round's measured drafting seconds (every member's);
 the nodes that do not pay for the wider pass are cut. Sampled nodes, and nodes
 of members that give no estimates, are always kept (with their ancestors), so
@@ -54,10 +54,10 @@ from typing import Any
 
 import torch
 
-from decoders.engine.draft import Draft, Round
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import build, proposer_registry, register_proposer
-from decoders.sizing.search import PassSeconds, Sizer, best_size
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import build, proposer_registry, register_proposer
+from specdec.decoders.sizing.search import PassSeconds, Sizer, best_size
 
 MAX_JOINED_NODES = 256  # the widest joined pass the joint budget considers
 

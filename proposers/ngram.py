@@ -8,7 +8,7 @@ distinct earlier occurrences, merged where they share a prefix.
 
 With ``adaptive=true`` (default) the draft is cut to the length that pays:
 acceptance is measured per matched-suffix length and depth, and
-:class:`decoders.sizing.draft_length.DraftLengthPolicy` weighs it against the target's
+:class:`specdec.decoders.sizing.draft_length.DraftLengthPolicy` weighs it against the target's
 measured pass cost, so a one-token match that is rarely right sends a short
 draft or none, and a long match sends up to ``k``.
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.engine.draft import Draft, Round
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import register_proposer
-from decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import register_proposer
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
 
 
 @register_proposer("ngram")

@@ -18,7 +18,7 @@ value and write the next key. Without a constraint there are no endings.
 
 With ``adaptive`` (the default) the span is cut to the length that pays, from the
 acceptance measured per match length and depth against the target's T(n)
-(:class:`decoders.sizing.draft_length.DraftLengthPolicy`, as ``ngram`` does), and its nodes
+(:class:`specdec.decoders.sizing.draft_length.DraftLengthPolicy`, as ``ngram`` does), and its nodes
 carry those estimates, so ``merge`` sizes it with the other members' drafts.
 
 Drafts are chosen deterministically from the committed tokens (``draft_probs`` None), so
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.engine.draft import Draft, Round
-from decoders.engine.proposer import NeedsTokenizer, Proposer
-from decoders.engine.registry import register_proposer
-from decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.proposer import NeedsTokenizer, Proposer
+from specdec.decoders.engine.registry import register_proposer
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
 
 CLOSINGS = ('",', '"}', '"]')  # the tokens that end a JSON string value (the grammar keeps the valid ones)
 TAIL_TOKENS = 16  # the output's last tokens decoded to find the tail's text

@@ -18,15 +18,15 @@ A node's chance of acceptance, given its parent's, is read from how often
 nodes like it were accepted, counted per (depth, share of the occurrences that
 continued with its token (smoothed: count / (occurrences + 1)), source,
 match-length bucket, whether it continues the match's latest occurrence as
-prompt lookup would) in an :class:`decoders.sizing.acceptance.AcceptanceStats`
+prompt lookup would) in an :class:`specdec.decoders.sizing.acceptance.AcceptanceStats`
 (the confident convention: the frequency is taken at its word until measured,
 and a depth not yet tried starts from the rate measured one level up):
 the two sources are weighed separately, and a long match counts for more than a
 short one. The two trees are joined (a node present in both takes the better
 estimate) and the round keeps the n best nodes, n chosen from the target's cost
-T(n) and the drafting time by :func:`decoders.sizing.search.best_size`, down to no
+T(n) and the drafting time by :func:`specdec.decoders.sizing.search.best_size`, down to no
 draft (with a one-node probe after ``explore_every`` rounds switched off, the wait
-doubling after each probe that leaves it off: :class:`decoders.sizing.search.Probe`).
+doubling after each probe that leaves it off: :class:`specdec.decoders.sizing.search.Probe`).
 
 Nodes are chosen deterministically (``draft_probs`` None): every verifier treats
 them as point masses, so the proposer is lossless at any temperature. With
@@ -41,14 +41,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoders.engine.draft import Draft, Round
-from decoders.engine.files import write_json
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import register_proposer
-from decoders.sizing.acceptance import AcceptanceStats
-from decoders.sizing.dynamic_tree import confidence_key
-from decoders.sizing.search import PassSeconds, Probe, Sizer, best_size
-from proposers.suffix_index import State, SuffixIndex
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.files import write_json
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import register_proposer
+from specdec.decoders.sizing.acceptance import AcceptanceStats
+from specdec.decoders.sizing.dynamic_tree import confidence_key
+from specdec.decoders.sizing.search import PassSeconds, Probe, Sizer, best_size
+from specdec.proposers.suffix_index import State, SuffixIndex
 
 REQUEST, MEMORY = "request", "memory"
 MEMORY_FORMAT = 1

@@ -9,10 +9,10 @@ read. Verification stays lossless: a greedy draft is the argmax among the N
 tokens (any deterministic draft is), and rejection sampling is exact for any q,
 zeros included (the residual max(0, p - q) keeps the target's mass outside).
 
-Used by the distilled draft model (:mod:`proposers.draft_model`, which stores its
-ranking as ``draft_vocab.json``), the Medusa heads (:mod:`proposers.medusa.heads`,
+Used by the distilled draft model (:mod:`specdec.proposers.draft_model`, which stores its
+ranking as ``draft_vocab.json``), the Medusa heads (:mod:`specdec.proposers.medusa.heads`,
 token ids in ``heads.safetensors``) and the copy heads' memory
-(:mod:`proposers.copy_attention`).
+(:mod:`specdec.proposers.copy_attention`).
 """
 
 from __future__ import annotations

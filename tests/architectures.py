@@ -62,7 +62,7 @@ class Architecture:
         """A draft for the model of seed 0, in a folder with the byte tokenizer as a user's
         would be: the same weights with seeded noise, so it agrees with the target often
         but not always."""
-        from decoders.models.loading import byte_tokenizer
+        from specdec.decoders.models.loading import byte_tokenizer
 
         draft = self.build()
         generator = torch.Generator().manual_seed(1)

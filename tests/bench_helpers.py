@@ -46,8 +46,8 @@ def tiny_overrides(workload: Path, *extra: str) -> list[str]:
 
 
 def run_bench(monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> None:
-    """``python -m decoders.bench OVERRIDES`` in this process (so tests can monkeypatch it)."""
-    from decoders import bench
+    """``python -m specdec.decoders.bench OVERRIDES`` in this process (so tests can monkeypatch it)."""
+    from specdec.decoders import bench
 
-    monkeypatch.setattr(sys, "argv", ["decoders.bench", *overrides])
+    monkeypatch.setattr(sys, "argv", ["specdec.decoders.bench", *overrides])
     bench.main()

@@ -26,12 +26,12 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)  # tiny models gain nothing from threads; CI has 2 shared cores
 
-from decoders import Pipeline  # noqa: E402
-from decoders.engine.proposer import NeedsTokenizer  # noqa: E402
-from decoders.engine.registry import verifier_registry  # noqa: E402
-from decoders.models import cpu  # noqa: E402
-from decoders.models.cost import COST_CURVE_ENV, CostCurve  # noqa: E402
-from decoders.models.loading import ModelConfig, load_model  # noqa: E402
+from specdec.decoders import Pipeline  # noqa: E402
+from specdec.decoders.engine.proposer import NeedsTokenizer  # noqa: E402
+from specdec.decoders.engine.registry import verifier_registry  # noqa: E402
+from specdec.decoders.models import cpu  # noqa: E402
+from specdec.decoders.models.cost import COST_CURVE_ENV, CostCurve  # noqa: E402
+from specdec.decoders.models.loading import ModelConfig, load_model  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,9 +8,9 @@ from collections import Counter
 
 from scipy.stats import chisquare
 
-from decoders import Pipeline
-from decoders.engine.sampling import SamplingConfig, processed_probs
-from decoders.models.session import ModelSession
+from specdec.decoders import Pipeline
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs
+from specdec.decoders.models.session import ModelSession
 
 
 def assert_first_two_tokens_follow_the_target(

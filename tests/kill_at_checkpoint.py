@@ -1,4 +1,4 @@
-"""``python -m tests.kill_at_checkpoint STEP <train overrides>``: ``python -m train``,
+"""``python -m tests.kill_at_checkpoint STEP <train overrides>``: ``python -m specdec.train``,
 except that the main process kills itself with SIGKILL (no handler, no cleanup: what
 an out-of-memory kill or a lost node does) right after the checkpoint of step STEP
 is written. For tests/train/test_scale.py."""
@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from train import checkpoints
+from specdec.train import checkpoints
 
 KILL_AT = int(sys.argv.pop(1))
 _save = checkpoints.save
@@ -25,6 +25,6 @@ def _save_then_die(accelerator, checkpoint, step, fingerprint):
 checkpoints.save = _save_then_die
 
 if __name__ == "__main__":
-    from train.__main__ import main
+    from specdec.train.__main__ import main
 
     main()

@@ -1,4 +1,4 @@
-"""``python -m tests.late_rank <train overrides>``: ``python -m train``, except that the
+"""``python -m tests.late_rank <train overrides>``: ``python -m specdec.train``, except that the
 process of rank 1 reaches the data cache 4 s after the others, as after a slow start-up:
 the others must not write parts before every process has looked at the cache. For
 tests/train/test_scale.py."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import time
 
-import train.job
+import specdec.train.job as job
 
-_self_distilled = train.job.self_distilled
+_self_distilled = job.self_distilled
 
 
 def _late(*args, **kwargs):
@@ -19,9 +19,9 @@ def _late(*args, **kwargs):
     return _self_distilled(*args, **kwargs)
 
 
-train.job.self_distilled = _late
+job.self_distilled = _late
 
 if __name__ == "__main__":
-    from train.__main__ import main
+    from specdec.train.__main__ import main
 
     main()

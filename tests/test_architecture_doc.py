@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decoders.engine.registry import proposer_registry
+from specdec.decoders.engine.registry import proposer_registry
 from tests.conftest import lossless_verifiers, random_prompts
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"

@@ -17,7 +17,8 @@ PACKAGES = ("decoders", "proposers", "verifiers", "train")
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    """The installed name of a source file: its folder path under the ``specdec`` namespace."""
+    parts = ["specdec", *path.relative_to(REPO_ROOT).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -82,7 +83,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_project_has_no_import_cycle():
     graph = import_graph()
-    assert {"decoders.engine.decoding", "proposers.ngram", "verifiers.greedy", "train.job"} <= set(graph)
+    assert {
+        "specdec.decoders.engine.decoding",
+        "specdec.proposers.ngram",
+        "specdec.verifiers.greedy",
+        "specdec.train.job",
+    } <= set(graph)
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
@@ -97,10 +103,10 @@ def test_the_engine_imports_no_plugin():
     core = [
         m
         for m in graph
-        if m.split(".")[:2] in (["decoders", "engine"], ["decoders", "models"], ["decoders", "sizing"])
+        if m.split(".")[1:3] in (["decoders", "engine"], ["decoders", "models"], ["decoders", "sizing"])
     ]
     for module in core:
-        plugins = {m for m in graph[module] if m.split(".")[0] in ("proposers", "verifiers")}
+        plugins = {m for m in graph[module] if m.split(".")[1] in ("proposers", "verifiers")}
         assert not plugins, f"{module} imports {plugins}"
 
 
@@ -132,7 +138,7 @@ LAYERS = (
 
 
 def layer_of(module: str) -> int:
-    parts = module.split(".")
+    parts = module.split(".")[1:]  # without the namespace
     name = ".".join(parts[:2]) if parts[0] == "decoders" and len(parts) > 2 else parts[0]
     return next(rank for rank, names in enumerate(LAYERS) if name in names)
 
@@ -145,3 +151,22 @@ def test_nothing_imports_upward():
         if layer_of(target) > layer_of(module)
     )
     assert not upward, upward
+
+
+def test_every_import_of_the_project_names_its_installed_package():
+    """The folders install under ``specdec`` (setup.py): a bare ``import decoders`` works in a
+    checkout, where the repository root is on the path, and fails once installed."""
+    bare = sorted(
+        f"{path.relative_to(REPO_ROOT)}:{node.lineno}"
+        for path in [*project_modules().values(), *sorted((REPO_ROOT / "tests").rglob("*.py"))]
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else []
+        )
+        if name.split(".")[0] in PACKAGES
+    )
+    assert not bare, bare

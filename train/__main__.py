@@ -1,14 +1,14 @@
-"""Command line: ``python -m train drafter=medusa [model=...] [train_data=large]``."""
+"""Command line: ``python -m specdec.train drafter=medusa [model=...] [train_data=large]``."""
 
 from __future__ import annotations
 
 import hydra
 from omegaconf import DictConfig
 
-from decoders.cli.config import CONF_DIR
-from decoders.cli.errors import check_command_line, cli_errors
-from train.job import run
-from train.processes import leave_process_group
+from specdec.decoders.cli.config import CONF_DIR
+from specdec.decoders.cli.errors import check_command_line, cli_errors
+from specdec.train.job import run
+from specdec.train.processes import leave_process_group
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")

@@ -1,7 +1,7 @@
 """Self-distillation data: the target answers a set of prompts, and its own
 tokens (and final hidden states) become the drafters' training data.
 
-The prompts are either the built-in mix (:mod:`train.prompts`: Magpie requests
+The prompts are either the built-in mix (:mod:`specdec.train.prompts`: Magpie requests
 the target writes itself, templated requests over varied task types, and the
 passages the target writes for the summarization, extraction and retrieval
 templates) or a user's JSONL file (``train.data.path``), which replaces the mix.
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from decoders.cli.config import store_schema
-from decoders.engine.pipeline import Pipeline
-from decoders.engine.sampling import SamplingConfig
-from train import prompts as builtin
-from train.generation import Generation, GenerationSettings, GenerationStore, Request, generate_all
-from train.processes import process_state
+from specdec.decoders.cli.config import store_schema
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.train import prompts as builtin
+from specdec.train.generation import Generation, GenerationSettings, GenerationStore, Request, generate_all
+from specdec.train.processes import process_state
 
 
 @dataclass
@@ -133,7 +133,7 @@ def eval_sequences(
 ) -> list[Sequence]:
     """The target's responses to a benchmark-style prompt file (Spec-Bench format),
     to measure drafters on prompts unlike the training ones; never trained on."""
-    from decoders.evaluation.workloads import WorkloadConfig, load_workload
+    from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
 
     responses = _store(pipeline, data_root, "responses", cfg.max_new_tokens, cfg.response_temperature, cfg)
     workload = load_workload(WorkloadConfig(name="eval", path=path, limit=limit))

@@ -1,11 +1,11 @@
-"""Distil a small draft model for :mod:`proposers.draft_model` from the target.
+"""Distil a small draft model for :mod:`specdec.proposers.draft_model` from the target.
 
 The draft is the target cut down to ``num_layers`` of its decoder layers (the
 first N with ``layers: first``, or N spread evenly from the first to the last
 with ``layers: spread``, or an explicit list) plus its embeddings, final norm
 and LM head: an ordinary model of the target's family that shares its
 tokenizer. It is then trained by knowledge distillation on the self-distilled
-data (:mod:`train.data`): at every response position the draft's next-token
+data (:mod:`specdec.train.data`): at every response position the draft's next-token
 distribution q is fitted to the target's distribution p there. p comes from the
 target's final hidden states cached with the data, p = softmax(lm_head(h)), so
 no target pass is rerun and no logits are stored. ``loss`` chooses
@@ -62,12 +62,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from proposers.draft_model import DraftVocabulary, save_draft_vocab
-from train import checkpoints
-from train.data import Sequence, split_heldout
-from train.job import TrainJob
-from train.loop import FitConfig, fit
-from train.processes import process_state
+from specdec.proposers.draft_model import DraftVocabulary, save_draft_vocab
+from specdec.train import checkpoints
+from specdec.train.data import Sequence, split_heldout
+from specdec.train.job import TrainJob
+from specdec.train.loop import FitConfig, fit
+from specdec.train.processes import process_state
 
 META_FILE = "distill.json"
 LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")  # decoder layer index in a state-dict key

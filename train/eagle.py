@@ -1,4 +1,4 @@
-"""Fit an EAGLE drafter (:mod:`proposers.eagle`) on the target's self-distilled data.
+"""Fit an EAGLE drafter (:mod:`specdec.proposers.eagle`) on the target's self-distilled data.
 
 The target stays frozen. The draft layer starts as a copy of target layer
 ``init_layer`` and is adapted with PEFT LoRA; the fusion (``fuse``, ``combine``)
@@ -18,7 +18,7 @@ draft cache holds at inference. Steps run one after another through one KV cache
 holding every step's keys; the loss is sum_k ``step_decay``^k * cross-entropy_k
 over the draft vocabulary, on labels that are response tokens (the target's own).
 
-With a pointer (``copy_width`` > 0, :mod:`proposers.copy_attention`), step k at
+With a pointer (``copy_width`` > 0, :mod:`specdec.proposers.copy_attention`), step k at
 position t also points at the committed positions j <= t - k (keys and values from
 the target's highest feature and the tokens there), and its loss is that of the
 mixture of the layer's distribution and the pointer's, labels outside the draft
@@ -45,16 +45,22 @@ from torch import nn
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from decoders.models.target import Target
-from proposers.copy_attention import label_probability, mixture
-from proposers.draft_model import DraftVocabulary, save_draft_vocab
-from proposers.eagle.artifact import CONFIG_FILE, LORA_TARGETS, full_modules, load_artifact, save_artifact
-from proposers.eagle.drafter import EagleDrafter, resolve_layers, target_features
-from train import checkpoints
-from train.data import Sequence, split_heldout
-from train.job import TrainJob
-from train.loop import FitConfig, fit
-from train.medusa import IGNORE, vocab_index
+from specdec.decoders.models.target import Target
+from specdec.proposers.copy_attention import label_probability, mixture
+from specdec.proposers.draft_model import DraftVocabulary, save_draft_vocab
+from specdec.proposers.eagle.artifact import (
+    CONFIG_FILE,
+    LORA_TARGETS,
+    full_modules,
+    load_artifact,
+    save_artifact,
+)
+from specdec.proposers.eagle.drafter import EagleDrafter, resolve_layers, target_features
+from specdec.train import checkpoints
+from specdec.train.data import Sequence, split_heldout
+from specdec.train.job import TrainJob
+from specdec.train.loop import FitConfig, fit
+from specdec.train.medusa import IGNORE, vocab_index
 
 
 @dataclass

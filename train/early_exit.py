@@ -1,8 +1,8 @@
-"""Fit an early exit (:class:`proposers.early_exit.ExitHead`) for one exit layer
+"""Fit an early exit (:class:`specdec.proposers.early_exit.ExitHead`) for one exit layer
 on the target's self-distilled data.
 
-    python -m train drafter=early_exit drafter.exit_layer=8
-    python -m train -m drafter=early_exit drafter.exit_layer=4,8,12,16
+    python -m specdec.train drafter=early_exit drafter.exit_layer=8
+    python -m specdec.train -m drafter=early_exit drafter.exit_layer=4,8,12,16
 
 What is trained (the target itself never changes):
 
@@ -40,13 +40,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decoders.models.layered import LayeredDecoder, run_layers
-from decoders.models.session import ModelSession
-from proposers.early_exit import ExitHead
-from train import checkpoints
-from train.data import Sequence, split_heldout
-from train.job import TrainJob
-from train.loop import FitConfig, fit
+from specdec.decoders.models.layered import LayeredDecoder, run_layers
+from specdec.decoders.models.session import ModelSession
+from specdec.proposers.early_exit import ExitHead
+from specdec.train import checkpoints
+from specdec.train.data import Sequence, split_heldout
+from specdec.train.job import TrainJob
+from specdec.train.loop import FitConfig, fit
 
 #: Linear layers of a Llama-style decoder layer that the shallow LoRA adapts.
 SHALLOW_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -58,7 +58,7 @@ class Config(FitConfig):
 
     A residual adapter before the exit and LoRA on the exit's LM head, distilled
     from the full-depth distribution; one artifact per exit layer
-    (``python -m train -m drafter=early_exit drafter.exit_layer=4,8,12,16``). Stored
+    (``python -m specdec.train -m drafter=early_exit drafter.exit_layer=4,8,12,16``). Stored
     as the ``drafter=early_exit`` structured config: these are the only defaults."""
 
     batch_size: int = 8

@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from decoders.engine.sampling import SamplingConfig, processed_probs, sample
-from train.processes import process_state
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from specdec.train.processes import process_state
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,14 @@ from accelerate import PartialState
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from decoders.cli.config import model_config, store_schema, to_dataclass
-from decoders.engine.context import artifact_source
-from decoders.engine.pipeline import Pipeline
-from decoders.engine.registry import drafter_trainers, store_named_config
-from decoders.models.loading import ModelConfig, load_model
-from train.data import DataConfig, Sequence, eval_sequences, self_distilled
-from train.loop import RunLogger, ScaleConfig
-from train.processes import process_state
+from specdec.decoders.cli.config import model_config, store_schema, to_dataclass
+from specdec.decoders.engine.context import artifact_source
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.engine.registry import drafter_trainers, store_named_config
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.train.data import DataConfig, Sequence, eval_sequences, self_distilled
+from specdec.train.loop import RunLogger, ScaleConfig
+from specdec.train.processes import process_state
 
 
 def drafters() -> dict[str, str]:

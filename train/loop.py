@@ -9,9 +9,9 @@ dimension, and a loss function ``loss_fn(batch) -> (loss, metrics)``.
 The same code runs in one process or data-parallel in many (``accelerate launch``,
 ``torchrun``, ``srun``): ``batch_size`` is the global batch of one optimizer step,
 which accelerate splits across processes and accumulation micro-steps, so a run's
-optimisation does not depend on how many processes it has (:mod:`train.batches`).
+optimisation does not depend on how many processes it has (:mod:`specdec.train.batches`).
 A checkpoint is written every ``checkpoint_every`` steps to ``<artifact>/checkpoint``
-(:mod:`train.checkpoints`); rerunning the same command continues from it if its
+(:mod:`specdec.train.checkpoints`); rerunning the same command continues from it if its
 fingerprint (the drafter and data settings) matches. Ctrl-C or SIGTERM (SLURM
 preemption, ``torchrun`` stopping its workers) ends training after the current step,
 with a checkpoint, on every process at the same step; a second Ctrl-C stops at once,
@@ -35,9 +35,9 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from train import checkpoints
-from train.batches import Rows, StepBatches, whole_batch
-from train.processes import process_state
+from specdec.train import checkpoints
+from specdec.train.batches import Rows, StepBatches, whole_batch
+from specdec.train.processes import process_state
 
 LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 PRECISIONS = ("auto", "no", "bf16", "fp16")

@@ -1,4 +1,4 @@
-"""Fit Medusa heads (:mod:`proposers.medusa`) on the target's self-distilled data.
+"""Fit Medusa heads (:mod:`specdec.proposers.medusa`) on the target's self-distilled data.
 
 The backbone stays frozen and untouched. Each head's residual block is trained
 in full; each head's language-model projection starts from the target's own
@@ -40,15 +40,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decoders.models.session import ModelSession
-from proposers.copy_attention import label_probability, mixture
-from proposers.medusa.artifact import CONFIG_FILE, load_artifact, save_artifact
-from proposers.medusa.heads import LORA_TARGETS, MedusaHeads
-from proposers.medusa.trees import best_tree
-from train import checkpoints
-from train.data import Sequence, split_heldout
-from train.job import TrainJob
-from train.loop import FitConfig, fit
+from specdec.decoders.models.session import ModelSession
+from specdec.proposers.copy_attention import label_probability, mixture
+from specdec.proposers.medusa.artifact import CONFIG_FILE, load_artifact, save_artifact
+from specdec.proposers.medusa.heads import LORA_TARGETS, MedusaHeads
+from specdec.proposers.medusa.trees import best_tree
+from specdec.train import checkpoints
+from specdec.train.data import Sequence, split_heldout
+from specdec.train.job import TrainJob
+from specdec.train.loop import FitConfig, fit
 
 IGNORE = -100  # label of rows whose target token lies past the response
 

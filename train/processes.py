@@ -28,8 +28,8 @@ def process_state() -> PartialState:
     if cpu and _one_of_many_requested():
         raise ValueError(
             "accelerate launch --cpu --num_processes N starts a single process; for N CPU processes run "
-            "`accelerate launch --multi_gpu --num_processes N -m train ...` (gloo on a machine without GPUs) "
-            "or `torchrun --nproc_per_node N -m train ...`"
+            "`accelerate launch --multi_gpu --num_processes N -m specdec.train ...` (gloo on a machine without GPUs) "
+            "or `torchrun --nproc_per_node N -m specdec.train ...`"
         )
     return PartialState(cpu=cpu)
 

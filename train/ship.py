@@ -1,9 +1,9 @@
-"""Copy trained drafters into the project as package data: ``python -m train.ship``.
+"""Copy trained drafters into the project as package data: ``python -m specdec.train.ship``.
 
-    python -m train.ship artifacts/smollm2-135m/medusa artifacts/smollm2-135m/early_exit
+    python -m specdec.train.ship artifacts/smollm2-135m/medusa artifacts/smollm2-135m/early_exit
 
 Each artifact directory lands under ``proposers/shipped/<target>/<drafter>``,
-where :meth:`decoders.engine.context.PipelineContext.artifact_path` finds it when the
+where :meth:`specdec.decoders.engine.context.PipelineContext.artifact_path` finds it when the
 user's artifacts dir has none. Heads, adapters and exits already hold only
 what differs from the target; a distilled draft, an ordinary model directory,
 ships without the tensors it shares with the target (its embeddings and LM head,
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoders.engine.context import SHIPPED_ARTIFACTS
-from decoders.models.loading import ModelConfig, load_model
-from proposers.draft_model import FROM_TARGET_FILE, check_same_tokenizer
+from specdec.decoders.engine.context import SHIPPED_ARTIFACTS
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.proposers.draft_model import FROM_TARGET_FILE, check_same_tokenizer
 
 LEFT_OUT = {"checkpoint", "README.md"}  # resumption state (a folder); PEFT's generated model card
 # what a tokenizer's save_pretrained writes; a whole-model draft ships without them (it uses the target's)
@@ -105,7 +105,7 @@ ARTIFACT_MARKERS = ("medusa.json", "eagle.json", "exit_config.json", "config.jso
 
 
 def is_artifact(directory: Path) -> bool:
-    """Whether ``directory`` holds an artifact ``python -m train`` wrote."""
+    """Whether ``directory`` holds an artifact ``python -m specdec.train`` wrote."""
     return any((directory / marker).exists() for marker in ARTIFACT_MARKERS)
 
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if not is_artifact(artifact):
             parser.error(
                 f"{artifact} holds no trained drafter (none of {', '.join(ARTIFACT_MARKERS)}); "
-                "pass a folder written by python -m train, e.g. artifacts/smollm2-135m/medusa"
+                "pass a folder written by python -m specdec.train, e.g. artifacts/smollm2-135m/medusa"
             )
         drafter, target_key = artifact.resolve().name, artifact.resolve().parent.name
         destination = SHIPPED_ARTIFACTS / target_key / drafter

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from decoders.engine.draft import Acceptance, Draft
-from decoders.engine.registry import register_verifier
-from decoders.engine.sampling import SamplingConfig
-from decoders.engine.verifier import Verifier
+from specdec.decoders.engine.draft import Acceptance, Draft
+from specdec.decoders.engine.registry import register_verifier
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.engine.verifier import Verifier
 
 
 def greedy_walk(draft: Draft, target_logits: torch.Tensor) -> Acceptance:

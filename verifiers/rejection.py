@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from decoders.engine.draft import Acceptance, Draft
-from decoders.engine.registry import register_verifier
-from decoders.engine.sampling import SamplingConfig, processed_probs, sample
-from decoders.engine.verifier import Verifier
+from specdec.decoders.engine.draft import Acceptance, Draft
+from specdec.decoders.engine.registry import register_verifier
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from specdec.decoders.engine.verifier import Verifier
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:

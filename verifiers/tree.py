@@ -6,7 +6,7 @@ is q_i, the distribution node i's token was drawn from. See decoders/engine/draf
 accepted / correction / bonus tokens.
 
 At temperature 0 the verifier follows the target's argmax through the tree
-(:func:`~verifiers.greedy.greedy_walk`). Above, it walks the tree from the root,
+(:func:`~specdec.verifiers.greedy.greedy_walk`). Above, it walks the tree from the root,
 one round per sibling (SpecInfer's multi-step speculative sampling, also called
 recursive rejection sampling). At a node with current target distribution p:
 
@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import torch
 
-from decoders.engine.draft import Acceptance, Draft
-from decoders.engine.registry import register_verifier
-from decoders.engine.sampling import SamplingConfig, processed_probs, sample
-from decoders.engine.verifier import Verifier
-from verifiers.greedy import greedy_walk
-from verifiers.rejection import point_mass, residual_distribution
+from specdec.decoders.engine.draft import Acceptance, Draft
+from specdec.decoders.engine.registry import register_verifier
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from specdec.decoders.engine.verifier import Verifier
+from specdec.verifiers.greedy import greedy_walk
+from specdec.verifiers.rejection import point_mass, residual_distribution
 
 
 def sibling_round(

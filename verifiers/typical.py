@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from decoders.engine.draft import Acceptance, Draft
-from decoders.engine.registry import register_verifier
-from decoders.engine.sampling import SamplingConfig, processed_probs, sample
-from decoders.engine.verifier import Verifier
-from verifiers.greedy import greedy_walk
+from specdec.decoders.engine.draft import Acceptance, Draft
+from specdec.decoders.engine.registry import register_verifier
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from specdec.decoders.engine.verifier import Verifier
+from specdec.verifiers.greedy import greedy_walk
 
 
 def plausible_nodes(

@@ -21,10 +21,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from decoders.engine.constraint import ConstraintConfig
-from decoders.engine.registry import import_plugins, load_builtins
-from decoders.engine.sampling import SamplingConfig
-from decoders.models.loading import ModelConfig
+from specdec.decoders.engine.constraint import ConstraintConfig
+from specdec.decoders.engine.registry import import_plugins, load_builtins
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.models.loading import ModelConfig
 
 
 def run_id() -> str:

@@ -25,8 +25,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from decoders.engine.registry import RegistryError
-from decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.engine.registry import RegistryError
+from specdec.decoders.models.architecture import UnsupportedArchitectureError
 
 USER_ERRORS = (ValueError, FileNotFoundError, RegistryError, UnsupportedArchitectureError)
 USAGE_STATUS = 2
@@ -48,7 +48,7 @@ def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from decoders.cli.config import CONF_DIR
+    from specdec.decoders.cli.config import CONF_DIR
 
     args = sys.argv[1:] if argv is None else argv
     for arg in args:  # bytes that are not UTF-8 reach Python as lone surrogates

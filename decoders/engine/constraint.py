@@ -2,7 +2,7 @@
 
 The constrained target is the target with every token the grammar forbids at a
 position given probability 0: its logits there are set to -inf before they become
-probabilities (:func:`decoders.engine.sampling.processed_probs`). Speculation stays
+probabilities (:func:`specdec.decoders.engine.sampling.processed_probs`). Speculation stays
 lossless against *that* distribution because the engine, not the verifiers, applies
 the grammar, and applies it at every row of every pass:
 
@@ -44,7 +44,7 @@ from typing import Any
 import numpy
 import torch
 
-from decoders.engine.draft import Draft
+from specdec.decoders.engine.draft import Draft
 
 # JSON laid out the way instruct models write it: ", " and ": " and no free whitespace,
 # so every key, quote and brace is forced. (llguidance's own default lets whitespace vary.)

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoders.models.cost import CostCurve, fixed_by_environment
-from decoders.models.loading import ModelConfig, cache_dir
-from decoders.models.target import Target, as_target
+from specdec.decoders.models.cost import CostCurve, fixed_by_environment
+from specdec.decoders.models.loading import ModelConfig, cache_dir
+from specdec.decoders.models.target import Target, as_target
 
 # Trained drafters of the default target, shipped as package data (only what differs
 # from the target is stored); a user's own artifact of the same drafter wins.
@@ -55,7 +55,7 @@ class PipelineContext:
         """The command line that trains ``drafter`` for this target (into ``output`` if
         given): what a missing-artifact error tells the user to run."""
         model = self.model_config
-        parts = [f"python -m train drafter={drafter}", f"model={model.name}"]
+        parts = [f"python -m specdec.train drafter={drafter}", f"model={model.name}"]
         if model.name_or_path:
             parts.append(f"model.name_or_path={model.name_or_path}")
         if model.name == "tiny-random":
@@ -78,7 +78,7 @@ class PipelineContext:
     def cost_curve(self) -> CostCurve:
         """The target's T(n): the fixed curve if one was given, else from the shared
         cache (measured there on first use), followed live by the passes the decode
-        loop times (``model.live_cost``; :meth:`decoders.models.target.Target.pass_times`)."""
+        loop times (``model.live_cost``; :meth:`specdec.decoders.models.target.Target.pass_times`)."""
         if self.fixed_cost_curve is not None:
             return self.fixed_cost_curve
         curve = self.target.cost_curve(self.target_key, self.cost_cache_dir)

@@ -9,13 +9,13 @@
         proposer.observe(state, round)    the proposer's own draft, its accepted path in
                                           the draft's numbering, draft and verify seconds
 
-Under a constraint (:mod:`decoders.engine.constraint`) the draft is cut where the
+Under a constraint (:mod:`specdec.decoders.engine.constraint`) the draft is cut where the
 grammar rejects it and extended by the tokens it forces, and every row of the pass is
 masked with the grammar's state there before the verifier reads it.
 
 With no proposer every round verifies an empty draft, i.e. emits one target
 token per pass: that is standard decoding, the baseline. With a round gate
-(:mod:`decoders.sizing.round_gate`) a round may skip drafting where earlier rounds
+(:mod:`specdec.decoders.sizing.round_gate`) a round may skip drafting where earlier rounds
 say drafting does not pay: it is then a standard decoding step, and the proposer
 is told (``proposer.skip(state)``) instead of asked.
 
@@ -30,19 +30,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from decoders.engine.constraint import GrammarState
-from decoders.engine.draft import Acceptance, Draft, Round
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import build, verifier_registry
-from decoders.engine.sampling import SamplingConfig, check_finite, next_token
-from decoders.engine.state import DecodeState
-from decoders.engine.verifier import Verifier
-from decoders.models.session import ModelSession
+from specdec.decoders.engine.constraint import GrammarState
+from specdec.decoders.engine.draft import Acceptance, Draft, Round
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import build, verifier_registry
+from specdec.decoders.engine.sampling import SamplingConfig, check_finite, next_token
+from specdec.decoders.engine.state import DecodeState
+from specdec.decoders.engine.verifier import Verifier
+from specdec.decoders.models.session import ModelSession
 
 
 class RoundGate(Protocol):
     """What the loop asks of a round gate (the one built in is
-    :class:`decoders.sizing.round_gate.RoundGate`, a layer above the engine)."""
+    :class:`specdec.decoders.sizing.round_gate.RoundGate`, a layer above the engine)."""
 
     def begin(self) -> None: ...  # a request starts
 

@@ -1,6 +1,6 @@
 """The Python API: a target model + a proposer + a verifier = a pipeline.
 
-    from decoders import Pipeline
+    from specdec.decoders import Pipeline
     pipe = Pipeline.load(model="smollm2-135m", proposer="ngram", verifier="greedy")
     result = pipe.generate("Summarize: ...", max_new_tokens=64)
     print(result.text, result.stats.mean_accepted_tokens)
@@ -21,17 +21,23 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoders.engine.constraint import Constraint, ConstraintConfig, GrammarVocabulary
-from decoders.engine.context import PipelineContext
-from decoders.engine.decoding import Decoding, GenerationStats, RoundGate, StopConditions, default_verifier
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import build, proposer_registry, round_gate_class, verifier_registry
-from decoders.engine.sampling import SamplingConfig
-from decoders.engine.verifier import Verifier
-from decoders.models.architecture import UnsupportedArchitectureError
-from decoders.models.cost import CostCurve
-from decoders.models.loading import ModelConfig, load_model
-from decoders.models.target import Target, as_target
+from specdec.decoders.engine.constraint import Constraint, ConstraintConfig, GrammarVocabulary
+from specdec.decoders.engine.context import PipelineContext
+from specdec.decoders.engine.decoding import (
+    Decoding,
+    GenerationStats,
+    RoundGate,
+    StopConditions,
+    default_verifier,
+)
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import build, proposer_registry, round_gate_class, verifier_registry
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.engine.verifier import Verifier
+from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.decoders.models.target import Target, as_target
 
 ComponentSpec = str | dict | Any  # a registered name, a config mapping (with `name`), or an instance
 ConstraintSpec = Constraint | ConstraintConfig | dict  # {"json_schema" | "regex" | "grammar": ...}

@@ -1,7 +1,7 @@
 """The Proposer contract: who guesses the next tokens.
 
 A proposer is built once per pipeline from its ``Config`` and a
-:class:`~decoders.engine.context.PipelineContext` (target model, tokenizer, model
+:class:`~specdec.decoders.engine.context.PipelineContext` (target model, tokenizer, model
 config), then serves one request at a time:
 
     begin(state)      a new request starts (prompt known, nothing generated)
@@ -9,15 +9,15 @@ config), then serves one request at a time:
     skip(state)       instead of propose, in a round the round gate keeps plain
                       (decoders/sizing/round_gate.py): no draft, not observed
     observe(state, round)
-                      the round's outcome (:class:`~decoders.engine.draft.Round`): the
+                      the round's outcome (:class:`~specdec.decoders.engine.draft.Round`): the
                       proposer's own draft, its accepted path in that draft's
                       numbering, the engine's draft and verify seconds; sync any
                       private state (its time counts as drafting time)
     finish(state)     the request is done (its tokens are final)
 
-``state`` is the :class:`~decoders.engine.state.DecodeState` of the request: its
+``state`` is the :class:`~specdec.decoders.engine.state.DecodeState` of the request: its
 tokens and the target's final hidden states of the last pass. The target itself is
-``context.target`` (:class:`decoders.models.target.Target`): a proposer that needs
+``context.target`` (:class:`specdec.decoders.models.target.Target`): a proposer that needs
 its intermediate layers asks it for a tap (``context.target.tap(layers)``, EAGLE);
 one that drafts with the target's own layers says so (``drafts_in_target``) and is
 given the session. A proposer decides its draft's shape from its own config, never
@@ -29,7 +29,7 @@ registry, the trainer CLI and the bench):
     Config            its options; the defaults are its best measured configuration
     artifact          the drafter it reads from the artifacts directory (None: none)
     trainer           the module that trains that drafter (``Config``, ``train(job)``),
-                      run as ``python -m train drafter=<artifact>``
+                      run as ``python -m specdec.train drafter=<artifact>``
     presets           named variants (:class:`Preset`) bench lists refer to by label
     drafts_trees      whether its drafts, as configured, are trees (then its pipeline's
                       default verifier is ``tree``)
@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from decoders.engine.draft import Draft, Round
-from decoders.engine.sampling import processed_probs, sample
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.sampling import processed_probs, sample
 
 if TYPE_CHECKING:
-    from decoders.engine.context import PipelineContext
-    from decoders.engine.state import DecodeState
-    from decoders.models.session import ModelSession
+    from specdec.decoders.engine.context import PipelineContext
+    from specdec.decoders.engine.state import DecodeState
+    from specdec.decoders.models.session import ModelSession
 
 
 class NeedsTokenizer(ValueError):
@@ -107,7 +107,7 @@ class Proposer:
     def reads_target_layers(self) -> bool:
         """True if drafting reads the target's inner layers as its passes run (early
         exit's shallow layers, EAGLE's features), so it needs the target's real passes:
-        a replay over recorded outputs (:mod:`decoders.evaluation.replay`) skips it.
+        a replay over recorded outputs (:mod:`specdec.decoders.evaluation.replay`) skips it.
         Final hidden states (``state.hidden``) are not inner layers."""
         return self.drafts_in_target
 

@@ -8,12 +8,12 @@ built-in choice.
 
 Built-ins are known by name only (``BUILTIN_PROPOSERS``, ``BUILTIN_VERIFIERS``:
 name -> ``"module:Class"``, the one line a built-in adds here; everything else about it
-is declared on its class: :class:`decoders.engine.proposer.Proposer`) and imported the
+is declared on its class: :class:`specdec.decoders.engine.proposer.Proposer`) and imported the
 first time they are looked up, so the
 engine never imports a plugin package: ``proposers`` and ``verifiers`` depend on
 the engine, never the reverse. Listing a registry names the built-ins without
 importing them. Hydra needs every choice's Config stored before it composes, so
-the command-line layer (:mod:`decoders.cli.config`) calls :func:`load_builtins`.
+the command-line layer (:mod:`specdec.decoders.cli.config`) calls :func:`load_builtins`.
 
 Third-party packages register through the entry-point groups
 ``specdec.proposers`` and ``specdec.verifiers`` (each entry point names a module
@@ -204,22 +204,22 @@ def import_plugins_from_argv(argv: list[str] | None = None) -> None:
 
 
 BUILTIN_PROPOSERS = {
-    "draft_model": "proposers.draft_model:DraftModelProposer",
-    "eagle": "proposers.eagle.proposer:EagleProposer",
-    "early_exit": "proposers.early_exit:EarlyExitProposer",
-    "grammar": "proposers.grammar:GrammarProposer",
-    "copy_heads": "proposers.medusa.proposer:CopyHeadsProposer",
-    "medusa": "proposers.medusa.proposer:MedusaProposer",
-    "merge": "proposers.merge:MergeProposer",
-    "ngram": "proposers.ngram:NgramProposer",
-    "span": "proposers.span:SpanProposer",
-    "suffix": "proposers.suffix:SuffixProposer",
+    "draft_model": "specdec.proposers.draft_model:DraftModelProposer",
+    "eagle": "specdec.proposers.eagle.proposer:EagleProposer",
+    "early_exit": "specdec.proposers.early_exit:EarlyExitProposer",
+    "grammar": "specdec.proposers.grammar:GrammarProposer",
+    "copy_heads": "specdec.proposers.medusa.proposer:CopyHeadsProposer",
+    "medusa": "specdec.proposers.medusa.proposer:MedusaProposer",
+    "merge": "specdec.proposers.merge:MergeProposer",
+    "ngram": "specdec.proposers.ngram:NgramProposer",
+    "span": "specdec.proposers.span:SpanProposer",
+    "suffix": "specdec.proposers.suffix:SuffixProposer",
 }
 BUILTIN_VERIFIERS = {
-    "greedy": "verifiers.greedy:GreedyVerifier",
-    "rejection": "verifiers.rejection:RejectionVerifier",
-    "tree": "verifiers.tree:TreeVerifier",
-    "typical": "verifiers.typical:TypicalVerifier",
+    "greedy": "specdec.verifiers.greedy:GreedyVerifier",
+    "rejection": "specdec.verifiers.rejection:RejectionVerifier",
+    "tree": "specdec.verifiers.tree:TreeVerifier",
+    "typical": "specdec.verifiers.typical:TypicalVerifier",
 }
 
 proposer_registry: Registry[Any] = Registry("proposer", "proposer", "specdec.proposers", BUILTIN_PROPOSERS)
@@ -234,7 +234,7 @@ def load_builtins() -> None:
 
 
 def find_preset(label: str) -> tuple[str, Any] | None:
-    """(proposer name, :class:`decoders.engine.proposer.Preset`) of the preset named
+    """(proposer name, :class:`specdec.decoders.engine.proposer.Preset`) of the preset named
     ``label``, declared by the proposer whose name is the label's longest prefix; None if
     no proposer declares it."""
     for name in sorted(proposer_registry.names(), key=len, reverse=True):
@@ -247,7 +247,7 @@ def find_preset(label: str) -> tuple[str, Any] | None:
 
 def drafter_trainers() -> dict[str, str]:
     """Drafter name -> the module that trains it, from every proposer's declaration
-    (``artifact`` and ``trainer``): what ``python -m train drafter=NAME`` offers."""
+    (``artifact`` and ``trainer``): what ``python -m specdec.train drafter=NAME`` offers."""
     proposer_registry.load_builtins()
     trainers: dict[str, str] = {}
     for name in proposer_registry.names():
@@ -267,7 +267,7 @@ def register_verifier(name: str) -> Callable[[type[T]], type[T]]:
     return verifier_registry.register(name)
 
 
-ROUND_GATE_MODULE = "decoders.sizing.round_gate"
+ROUND_GATE_MODULE = "specdec.decoders.sizing.round_gate"
 
 
 def round_gate_class() -> type:

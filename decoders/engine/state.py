@@ -1,6 +1,6 @@
 """What a proposer sees of a request in progress: :class:`DecodeState`.
 
-It lives apart from the decode loop (:mod:`decoders.engine.decoding`) so the
+It lives apart from the decode loop (:mod:`specdec.decoders.engine.decoding`) so the
 Proposer contract can name it without importing the loop that drives proposers.
 
 A proposer sees the request's tokens and the target's final hidden states of its
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decoders.engine.constraint import GrammarState
-from decoders.engine.sampling import SamplingConfig
-from decoders.models.session import ModelSession
+from specdec.decoders.engine.constraint import GrammarState
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.models.session import ModelSession
 
 
 @dataclass

@@ -8,7 +8,7 @@ pending token and every draft node:
     pending token (for the root-level nodes), row i + 1 the distribution after
     draft node i (for its children).
 
-It returns an :class:`~decoders.engine.draft.Acceptance`: the accepted path and the
+It returns an :class:`~specdec.decoders.engine.draft.Acceptance`: the accepted path and the
 emitted tokens (accepted tokens + one correction or bonus token).
 """
 
@@ -19,8 +19,8 @@ from typing import ClassVar
 
 import torch
 
-from decoders.engine.draft import Acceptance, Draft
-from decoders.engine.sampling import SamplingConfig
+from specdec.decoders.engine.draft import Acceptance, Draft
+from specdec.decoders.engine.sampling import SamplingConfig
 
 
 class Verifier:

@@ -14,11 +14,11 @@ Two checks, both against standard decoding on the same target:
 * **sampling** (:func:`sampling_audit`, only when sampling.temperature > 0): the
   first ``audit.sampled_tokens`` generated tokens must have standard decoding's
   distribution; the chi-square tests and the exact enumeration are in
-  :mod:`decoders.evaluation.audit_statistics`.
+  :mod:`specdec.decoders.evaluation.audit_statistics`.
 
 A lossy verifier (``lossless = False``) is refused unless
 ``audit.require_lossless=false``, in which case the audit measures its loss.
-The command line is :mod:`decoders.audit`; :func:`run_audit` is what it runs.
+The command line is :mod:`specdec.decoders.audit`; :func:`run_audit` is what it runs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from decoders.cli.config import (
+from specdec.decoders.cli.config import (
     component,
     constraint_config,
     load_plugins,
@@ -42,21 +42,21 @@ from decoders.cli.config import (
     store_schema,
     to_dataclass,
 )
-from decoders.engine.decoding import default_verifier
-from decoders.engine.pipeline import Pipeline
-from decoders.engine.registry import verifier_registry
-from decoders.evaluation.audit_statistics import (
+from specdec.decoders.engine.decoding import default_verifier
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.engine.registry import verifier_registry
+from specdec.decoders.evaluation.audit_statistics import (
     ChiSquare,
     TestKey,
     combined_p_value,
     exact_distribution,
     sequence_tests,
 )
-from decoders.evaluation.metrics import Divergence, first_divergence
-from decoders.evaluation.prompt_reuse import reusing_prompts
-from decoders.evaluation.workloads import load_workload, workload_config
-from decoders.models.loading import load_model
-from decoders.models.session import ModelSession
+from specdec.decoders.evaluation.metrics import Divergence, first_divergence
+from specdec.decoders.evaluation.prompt_reuse import reusing_prompts
+from specdec.decoders.evaluation.workloads import load_workload, workload_config
+from specdec.decoders.models.loading import load_model
+from specdec.decoders.models.session import ModelSession
 
 AuditPrompt = tuple[str, list[int]]  # (prompt id, token ids)
 

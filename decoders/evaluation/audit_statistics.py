@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoders.engine.sampling import SamplingConfig, check_finite, processed_probs
+from specdec.decoders.engine.sampling import SamplingConfig, check_finite, processed_probs
 
 Outcome = tuple[int, ...]  # the first generated tokens of one sample (shorter if EOS came first)
 TestKey = tuple[int, str]  # (position among the generated tokens, "conditional" or "marginal")

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from decoders.cli.config import store_schema, to_dataclass
+from specdec.decoders.cli.config import store_schema, to_dataclass
 
 # Measured when neither proposer= nor bench.pipelines= is given: the best pipeline of each
 # proposer family on the default target (README "Measured results"; docs/benchmarks.md).

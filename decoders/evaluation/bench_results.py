@@ -9,20 +9,20 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoders.engine.pipeline import Pipeline
-from decoders.evaluation.bench_config import BenchConfig, bench_config
-from decoders.evaluation.contenders import EXACT_OFF, Contender
-from decoders.evaluation.metrics import (
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.evaluation.bench_config import BenchConfig, bench_config
+from specdec.decoders.evaluation.contenders import EXACT_OFF, Contender
+from specdec.decoders.evaluation.metrics import (
     Record,
     control_entry,
     first_divergence,
     physical_limit,
     pipeline_entry,
 )
-from decoders.evaluation.plots import bench_plots
-from decoders.evaluation.tracking import log_benchmark
-from decoders.models.cost import CostCurve
-from decoders.models.machine import machine_info, machine_line
+from specdec.decoders.evaluation.plots import bench_plots
+from specdec.decoders.evaluation.tracking import log_benchmark
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.models.machine import machine_info, machine_line
 
 
 def results_payload(

@@ -16,9 +16,9 @@ speedup over the first, ``standard (A/A)``, is what the run's noise alone gives.
 (``workload.turns=2``) feed standard decoding's first answer back as the
 assistant turn, so every contender sees the same second-turn context.
 
-The command line is :mod:`decoders.bench`; :func:`run_benchmark` is what it runs. Its
-options: :mod:`decoders.evaluation.bench_config`; the contenders: :mod:`decoders.evaluation.contenders`;
-how they run: :mod:`decoders.evaluation.scheduling`; results: :mod:`decoders.evaluation.bench_results`.
+The command line is :mod:`specdec.decoders.bench`; :func:`run_benchmark` is what it runs. Its
+options: :mod:`specdec.decoders.evaluation.bench_config`; the contenders: :mod:`specdec.decoders.evaluation.contenders`;
+how they run: :mod:`specdec.decoders.evaluation.scheduling`; results: :mod:`specdec.decoders.evaluation.bench_results`.
 """
 
 from __future__ import annotations
@@ -28,22 +28,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from decoders.cli.config import constraint_config, load_plugins, model_config, sampling_config
-from decoders.engine.constraint import Constraint, ConstraintConfig
-from decoders.engine.pipeline import Pipeline
-from decoders.evaluation.bench_config import BenchConfig, bench_config
-from decoders.evaluation.bench_results import results_payload
-from decoders.evaluation.contenders import EXACT_OFF, Contender, contenders_for
-from decoders.evaluation.files import check_writable
-from decoders.evaluation.scheduling import measure, warm_up
-from decoders.evaluation.workloads import Prompt, load_workload, workload_config
-from decoders.models.cost import CostCurve, cached_cost_curve
-from decoders.models.loading import load_model
-from decoders.models.machine import machine_info, machine_line
+from specdec.decoders.cli.config import constraint_config, load_plugins, model_config, sampling_config
+from specdec.decoders.engine.constraint import Constraint, ConstraintConfig
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.evaluation.bench_config import BenchConfig, bench_config
+from specdec.decoders.evaluation.bench_results import results_payload
+from specdec.decoders.evaluation.contenders import EXACT_OFF, Contender, contenders_for
+from specdec.decoders.evaluation.files import check_writable
+from specdec.decoders.evaluation.scheduling import measure, warm_up
+from specdec.decoders.evaluation.workloads import Prompt, load_workload, workload_config
+from specdec.decoders.models.cost import CostCurve, cached_cost_curve
+from specdec.decoders.models.loading import load_model
+from specdec.decoders.models.machine import machine_info, machine_line
 
 
 def run_benchmark(cfg: DictConfig) -> dict:
-    """The bench (``python -m decoders.bench``): the contenders, then the prompts in step,
+    """The bench (``python -m specdec.decoders.bench``): the contenders, then the prompts in step,
     results.json written after every prompt. Returns the final payload."""
     bench = bench_config(cfg)
     check_writable(Path(bench.output), "bench.output")  # before anything slow

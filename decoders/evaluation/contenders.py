@@ -3,7 +3,7 @@
 A contender is a pipeline (standard decoding, its A/A twin, a speculative pipeline, an
 exact-off twin) or a transformers peer. ``bench.pipelines``, ``proposer=`` or
 ``bench.default_pipelines`` name the pipelines: a proposer's name or preset label
-(:class:`decoders.engine.proposer.Preset`), a ``proposer+verifier`` string, or a mapping.
+(:class:`specdec.decoders.engine.proposer.Preset`), a ``proposer+verifier`` string, or a mapping.
 :func:`contenders_for` builds them all.
 """
 
@@ -16,16 +16,16 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from decoders.cli.config import component
-from decoders.engine.constraint import Constraint
-from decoders.engine.pipeline import GenerationResult, Pipeline
-from decoders.engine.registry import find_preset
-from decoders.evaluation.bench_config import BenchConfig, bench_config
-from decoders.evaluation.metrics import (
+from specdec.decoders.cli.config import component
+from specdec.decoders.engine.constraint import Constraint
+from specdec.decoders.engine.pipeline import GenerationResult, Pipeline
+from specdec.decoders.engine.registry import find_preset
+from specdec.decoders.evaluation.bench_config import BenchConfig, bench_config
+from specdec.decoders.evaluation.metrics import (
     Record,
 )
-from decoders.evaluation.peers import chosen_peers, make_peers
-from decoders.models.target import Target
+from specdec.decoders.evaluation.peers import chosen_peers, make_peers
+from specdec.decoders.models.target import Target
 
 EXACT_OFF = " (exact off)"
 
@@ -181,7 +181,7 @@ def entry_label(entry: Any) -> str:
 
 def listed_pipeline(base: Pipeline, entry: Any, verifier_cfg: dict | None) -> Pipeline:
     """One ``bench.pipelines`` entry: a proposer's preset label (``copy_heads_chain``,
-    :class:`decoders.engine.proposer.Preset`) or name, alone or as ``{preset: LABEL}`` with
+    :class:`specdec.decoders.engine.proposer.Preset`) or name, alone or as ``{preset: LABEL}`` with
     a ``label`` or ``round_gate`` of its own; ``"proposer+verifier"``; or a mapping with
     ``proposer`` (a name or ``{name: ..., option: value}``), ``verifier`` (same; default
     ``verifier=`` or the sampling's default), an optional ``label`` and an optional

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from decoders.engine.files import write_json  # noqa: F401  (the bench's and the audit's writer)
+from specdec.decoders.engine.files import write_json  # noqa: F401  (the bench's and the audit's writer)
 
 
 def check_writable(path: Path, option: str) -> None:
@@ -33,5 +33,5 @@ def read_results(path: Path, what: str) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not a readable results.json ({error}); {what}") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("pipelines"), list):
-        raise ValueError(f"{path}: not a results.json written by python -m decoders.bench; {what}")
+        raise ValueError(f"{path}: not a results.json written by python -m specdec.decoders.bench; {what}")
     return payload

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from decoders.engine.constraint import Constraint, GrammarState
-from decoders.engine.sampling import SamplingConfig
+from specdec.decoders.engine.constraint import Constraint, GrammarState
+from specdec.decoders.engine.sampling import SamplingConfig
 
 PEER_COUNTERPART = {
     "hf_generate": None,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from decoders.engine.pipeline import Pipeline
-from decoders.models.session import ModelSession
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.models.session import ModelSession
 
 
 class PromptReuseSession(ModelSession):

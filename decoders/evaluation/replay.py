@@ -4,7 +4,7 @@ Greedy speculative decoding emits exactly what standard greedy decoding emits, s
 a bench run has recorded standard decoding's output for every prompt, any proposer's
 rounds on those prompts follow from its drafts alone: the target's verdict on a draft is
 known before the target runs. :class:`ReplaySession` stands in for the target's session
-in the real decode loop (:func:`decoders.engine.decoding.decode`, the real verifiers):
+in the real decode loop (:func:`specdec.decoders.engine.decoding.decode`, the real verifiers):
 
 * a pass's logits are one-hot at the recorded next token on rows whose path follows
   the recorded output, zero elsewhere (rows no verifier reads: their parent was rejected);
@@ -30,7 +30,7 @@ Proposers that draft with the target's inner layers (early exit's shallow layers
 EAGLE's features) need its real passes: :attr:`Proposer.reads_target_layers`, and a
 replay skips them. Sampling is not replayed (its outputs are not fixed by the run).
 
-The command line is :mod:`decoders.replay`; :func:`run_replay` is what it runs.
+The command line is :mod:`specdec.decoders.replay`; :func:`run_replay` is what it runs.
 """
 
 from __future__ import annotations
@@ -43,22 +43,22 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from decoders.cli.config import load_plugins, model_config
-from decoders.engine.decoding import StopConditions, decode
-from decoders.engine.draft import Draft, Round
-from decoders.engine.pipeline import Pipeline
-from decoders.engine.proposer import Proposer
-from decoders.engine.sampling import SamplingConfig
-from decoders.evaluation.contenders import build_pipelines
-from decoders.evaluation.files import read_results, write_json
-from decoders.evaluation.metrics import Record, pipeline_entry
-from decoders.evaluation.scheduling import turn_ids
-from decoders.evaluation.workloads import load_workload, workload_config
-from decoders.models.cost import CostCurve, read_cost_curve
-from decoders.models.loading import load_model
-from decoders.models.machine import machine_info
-from decoders.models.session import tree_depths
-from decoders.models.target import Target
+from specdec.decoders.cli.config import load_plugins, model_config
+from specdec.decoders.engine.decoding import StopConditions, decode
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.evaluation.contenders import build_pipelines
+from specdec.decoders.evaluation.files import read_results, write_json
+from specdec.decoders.evaluation.metrics import Record, pipeline_entry
+from specdec.decoders.evaluation.scheduling import turn_ids
+from specdec.decoders.evaluation.workloads import load_workload, workload_config
+from specdec.decoders.models.cost import CostCurve, read_cost_curve
+from specdec.decoders.models.loading import load_model
+from specdec.decoders.models.machine import machine_info
+from specdec.decoders.models.session import tree_depths
+from specdec.decoders.models.target import Target
 
 
 @dataclass
@@ -242,7 +242,7 @@ def replay_pipeline(
     if proposer is not None and proposer.reads_target_layers:
         raise ValueError(
             f"proposer {proposer.name} drafts with the target's inner layers, which a replay does not "
-            "run; measure it with python -m decoders.bench"
+            "run; measure it with python -m specdec.decoders.bench"
         )
     if pipeline.target.pass_times() is not None:
         raise RuntimeError(

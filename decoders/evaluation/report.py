@@ -6,7 +6,7 @@ baseline, speedup 1 by definition), and so is its A/A twin, whose speedup is
 shown on each of its run's rows instead (``a/a``: what the run's noise alone gives). Besides the metrics, the table shows the
 options that differ between rows (``proposer.k``, ``sampling.temperature``,
 ...), read from each pipeline's proposer options and each run's resolved
-config. The command line is :mod:`decoders.report`.
+config. The command line is :mod:`specdec.decoders.report`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from decoders.evaluation.files import read_results
-from decoders.evaluation.metrics import control_entry
-from decoders.evaluation.plots import speedup_vs_parameter
+from specdec.decoders.evaluation.files import read_results
+from specdec.decoders.evaluation.metrics import control_entry
+from specdec.decoders.evaluation.plots import speedup_vs_parameter
 
 METRICS = (
     ("tokens_per_s", "tok/s"),

@@ -14,16 +14,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from decoders.engine.constraint import Constraint, ConstraintConfig
-from decoders.engine.pipeline import Pipeline
-from decoders.evaluation.bench_config import BenchConfig
-from decoders.evaluation.contenders import Contender, Stepping
-from decoders.evaluation.files import write_json
-from decoders.evaluation.metrics import (
+from specdec.decoders.engine.constraint import Constraint, ConstraintConfig
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.evaluation.bench_config import BenchConfig
+from specdec.decoders.evaluation.contenders import Contender, Stepping
+from specdec.decoders.evaluation.files import write_json
+from specdec.decoders.evaluation.metrics import (
     Record,
 )
-from decoders.evaluation.validity import output_valid
-from decoders.evaluation.workloads import Prompt
+from specdec.decoders.evaluation.validity import output_valid
+from specdec.decoders.evaluation.workloads import Prompt
 
 
 def in_step(steppings: list[Callable[[], Stepping]], seed: int = 0) -> list[Record]:

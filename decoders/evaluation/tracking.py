@@ -1,6 +1,6 @@
 """Weights & Biases logging: one W&B run per benchmark invocation.
 
-A sweep (``python -m decoders.bench -m ...``) makes one run per job, grouped by
+A sweep (``python -m specdec.decoders.bench -m ...``) makes one run per job, grouped by
 the sweep's directory name (or ``logger.group``), so W&B compares the jobs side
 by side. Each run carries the resolved config, summary metrics per pipeline
 (``<pipeline>/speedup``, ``<pipeline>/mean_accepted_tokens``, ...), a table of
@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from decoders.evaluation.metrics import Divergence
+from specdec.decoders.evaluation.metrics import Divergence
 
 SUMMARY_KEYS = (
     "tokens_per_s",

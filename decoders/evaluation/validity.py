@@ -11,7 +11,7 @@ from typing import Any
 
 import jsonschema
 
-from decoders.engine.constraint import Constraint, ConstraintConfig, text_or_file
+from specdec.decoders.engine.constraint import Constraint, ConstraintConfig, text_or_file
 
 
 def output_valid(text: str, tokens: list[int], spec: ConstraintConfig, constraint: Constraint) -> bool:

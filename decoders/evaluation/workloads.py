@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoders.cli.config import store_schema, to_dataclass
+from specdec.decoders.cli.config import store_schema, to_dataclass
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "default_prompts.jsonl"
 # The project's own repetitive workload: four families of ten requests sharing structure

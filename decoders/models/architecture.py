@@ -4,9 +4,9 @@ transformers 5 declares each decoder layer's attention pattern (``config.layer_t
 ``sliding_window`` / ``attention_chunk_size`` for every layer): full attention, a sliding
 window of the last ``w`` positions, or chunks of ``c`` positions. Its own caches keep only
 the window of a sliding layer, which cannot be rolled back to an accepted path or compacted
-by position; a session keeps every layer's entries instead (:mod:`decoders.models.kv_cache`)
+by position; a session keeps every layer's entries instead (:mod:`specdec.decoders.models.kv_cache`)
 and lets the masks apply each layer's pattern: transformers' own masks on chain passes, and
-:func:`decoders.models.session.tree_attention_masks` on tree passes, one per pattern.
+:func:`specdec.decoders.models.session.tree_attention_masks` on tree passes, one per pattern.
 
 Refused when the session is built, with one line naming the architecture and what is
 missing, rather than run wrong:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from decoders.models.session import ModelSession
+from specdec.decoders.models.session import ModelSession
 
 REFERENCE_CONTEXT = 256  # tokens before the passes the curve times
 CONTEXTS = (1024, 2048)  # longer contexts timed too (CostCurve.context)
@@ -250,7 +250,7 @@ def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path, exact: 
     ``model.exact``, has its own). A measurement disturbed by other work on the
     machine is retried once and, if still disturbed, returned but never written, so one
     busy moment does not steer every later run (the target keeps it for its life,
-    :meth:`decoders.models.target.Target.cost_curve`)."""
+    :meth:`specdec.decoders.models.target.Target.cost_curve`)."""
     if os.environ.get(COST_CURVE_ENV):
         return read_cost_curve(os.environ[COST_CURVE_ENV])
     parameter = next(model.parameters())

@@ -24,7 +24,7 @@ values of the last one or two (from the prefix's last chunk boundary on) are
 gathered per row, so a tree costs one small gather, not a copy of the prefix per
 node.
 What this relies on, measured on the CPU kernels (MKL float32/float64, oneDNN
-bfloat16) and re-checked at load time by :mod:`decoders.models.invariance`: a matmul
+bfloat16) and re-checked at load time by :mod:`specdec.decoders.models.invariance`: a matmul
 row's bits do not depend on the batch size, on how many other rows share it or on
 how many columns (keys, padded to whole chunks) the product has
 (in float32 and float64 once there are at least ``MKL_MIN_ROWS``; products of
@@ -50,7 +50,7 @@ MAX_ROWS = 64  # wider passes (the prefill) use SDPA
 class TailLayouts:
     """The last pass's tail layout (:func:`tail_layout`): one pass calls every layer with
     the same mask, so the layers after the first reuse it. One per
-    :class:`decoders.models.target.Target` (the attention it registers carries it)."""
+    :class:`specdec.decoders.models.target.Target` (the attention it registers carries it)."""
 
     def __init__(self) -> None:
         self.last: tuple[weakref.ref | None, int, int, Layout | None] | None = None
@@ -80,7 +80,7 @@ def exact_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: query (1, heads, q, d), key/value
     (1, kv_heads, kv, d) with the pass's q tokens last; returns (1, q, heads, d). A
-    :class:`decoders.models.target.Target` registers it with its own ``layouts``."""
+    :class:`specdec.decoders.models.target.Target` registers it with its own ``layouts``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, rows, dim = query.shape

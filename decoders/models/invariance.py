@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoders.models.session import ModelSession
+from specdec.decoders.models.session import ModelSession
 
 PROBE_TREE = [-1, 0, 0, 1, 1, 2]  # two levels of siblings: nodes sit between their ancestors
 
@@ -84,7 +84,7 @@ def check_pass_invariance(
 ) -> InvarianceReport:
     """Compare a chain pass and a tree pass after a random ``prefix_len``-token
     prefix with single-token passes. The default prefix puts the pass across a
-    64-key chunk boundary of :mod:`decoders.models.exact_attention`, where the
+    64-key chunk boundary of :mod:`specdec.decoders.models.exact_attention`, where the
     passes' rows combine 7 or 8 chunks (CPU sums of 8 or more run in lanes)."""
     generator = torch.Generator().manual_seed(seed)
     model = getattr(model, "model", model) if not isinstance(model, torch.nn.Module) else model

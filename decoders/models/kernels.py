@@ -34,9 +34,9 @@ and it changes the module itself, so every decoder that runs the model
 (standard decoding, the speculative loop, transformers' ``generate`` in the
 peers) gets it.
 
-Exact mode (``model.exact``; :meth:`decoders.models.target.Target.configure`) routes every
+Exact mode (``model.exact``; :meth:`specdec.decoders.models.target.Target.configure`) routes every
 pass, single rows included, so that a row's product does not depend on how many
-rows share it, and switches attention to :mod:`decoders.models.exact_attention`.
+rows share it, and switches attention to :mod:`specdec.decoders.models.exact_attention`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from decoders.models.cpu import onednn_linear
+from specdec.decoders.models.cpu import onednn_linear
 
 DEFAULT_MAX_ROWS = 48
 # narrowest pass that takes oneDNN's packed linear instead of the transposed product
@@ -65,7 +65,7 @@ class LinearRoute:
     """How the ``nn.Linear`` layers of one model compute their passes (see the module's
     docstring), and the per-layer data those routes keep: the packed weight copies and the
     widest exact product measured for each weight. Installed by :func:`route_linears`
-    (a :class:`decoders.models.target.Target` installs and removes its model's)."""
+    (a :class:`specdec.decoders.models.target.Target` installs and removes its model's)."""
 
     max_rows: int = DEFAULT_MAX_ROWS
     transposed: bool = True
@@ -201,7 +201,7 @@ class PackedProduct:
 def packed_route_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN's packed linear runs here in ``dtype``: x86 builds of PyTorch have it
     in float32; in bfloat16 it also needs avx512bw/vl/dq or avx_ne_convert, which AVX2-only
-    CPUs lack (probed, :mod:`decoders.models.cpu`). Where it does not, the routes that
+    CPUs lack (probed, :mod:`specdec.decoders.models.cpu`). Where it does not, the routes that
     would take it take ``F.linear`` instead."""
     return onednn_linear(dtype)
 

@@ -76,7 +76,7 @@ def growing_cache(config) -> DynamicCache:
     transformers keeps only the last window of a sliding-window (or chunked) layer, so its
     entries no longer sit at their positions and a rollback by position cuts the wrong ones
     (greedy speculation then left standard decoding's output on Mistral). Here every layer
-    keeps every entry; the masks apply the window (:mod:`decoders.models.architecture`).
+    keeps every entry; the masks apply the window (:mod:`specdec.decoders.models.architecture`).
     Other layer types (none reach here: the session refuses them) stay as they are."""
     cache = DynamicCache(config=config)
     cache.layers = [

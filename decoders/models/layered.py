@@ -2,7 +2,7 @@
 
 Self-speculation (early exit) drafts with the target's first E layers and then
 verifies with all of them. Both passes live in one
-:class:`~decoders.models.session.ModelSession` and its one ``DynamicCache``: layer i
+:class:`~specdec.decoders.models.session.ModelSession` and its one ``DynamicCache``: layer i
 of the cache belongs to decoder layer i whichever pass writes it. While
 drafting, layers ``[0, E)`` run ahead of layers ``[E, L)``, so the cache
 temporarily holds more tokens in the shallow layers than in the deep ones.
@@ -27,8 +27,8 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from decoders.models.architecture import UnsupportedArchitectureError
-from decoders.models.session import ModelSession
+from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.session import ModelSession
 
 
 class LayeredDecoder:

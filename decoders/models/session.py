@@ -17,8 +17,8 @@ Works with models whose decoder returns ``last_hidden_state`` and whose layers a
 through a KV cache: full attention, sliding windows and chunks, hybrids of them, any
 positional scheme (rotary, partial rotary, learned absolute positions, ALiBi where its
 biases can be given per key). Every layer keeps every entry, appended in place
-(:mod:`decoders.models.kv_cache`), so ``truncate`` and ``keep`` cut all layers alike, and
-the masks apply each layer's own pattern (:mod:`decoders.models.architecture`). A model
+(:mod:`specdec.decoders.models.kv_cache`), so ``truncate`` and ``keep`` cut all layers alike, and
+the masks apply each layer's own pattern (:mod:`specdec.decoders.models.architecture`). A model
 the session cannot serve is refused when the session is built.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from decoders.models.architecture import (
+from specdec.decoders.models.architecture import (
     AttentionPattern,
     UnsupportedArchitectureError,
     alibi_from_positions,
@@ -34,12 +34,12 @@ from decoders.models.architecture import (
     check_tree_support,
     uses_alibi,
 )
-from decoders.models.kv_cache import growing_cache
+from specdec.decoders.models.kv_cache import growing_cache
 
 
 class ModelSession:
     """One request's passes over ``model`` (an ``nn.Module``, or a
-    :class:`decoders.models.target.Target`, whose session knows its target: its exact
+    :class:`specdec.decoders.models.target.Target`, whose session knows its target: its exact
     mode's widest pass and the live pass times the decode loop feeds)."""
 
     def __init__(self, model, target=None) -> None:

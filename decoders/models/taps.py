@@ -2,7 +2,7 @@
 
 A drafter that reads the target's intermediate layers (EAGLE) gets them from the
 passes the target makes anyway, through forward hooks, at no extra pass. A
-:class:`decoders.models.target.Target` owns its tap (``target.tap(layers)``) and
+:class:`specdec.decoders.models.target.Target` owns its tap (``target.tap(layers)``) and
 removes its hooks when it is closed.
 """
 

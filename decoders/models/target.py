@@ -3,7 +3,7 @@
 A :class:`Target` owns one loaded model and is the only thing that changes how
 that model computes:
 
-* the kernel route of its linears (:class:`decoders.models.kernels.LinearRoute`:
+* the kernel route of its linears (:class:`specdec.decoders.models.kernels.LinearRoute`:
   the narrow route, exact mode's products) and its attention (packed GQA, exact
   attention), installed by :meth:`configure` and removed by :meth:`close`;
 * its cost, T(n): the cached or measured curve (:meth:`cost_curve`) and the live
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
-from decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
-from decoders.models.exact_attention import TailLayouts, exact_attention
-from decoders.models.kernels import (
+from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
+from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
+from specdec.decoders.models.exact_attention import TailLayouts, exact_attention
+from specdec.decoders.models.kernels import (
     DEFAULT_MAX_ROWS,
     PACKED_FROM,
     LinearRoute,
@@ -46,16 +46,16 @@ from decoders.models.kernels import (
     route_linears,
     unroute_linears,
 )
-from decoders.models.packed_attention import TiledMasks, packed_gqa_attention
-from decoders.models.session import ModelSession
-from decoders.models.taps import LayerTap
+from specdec.decoders.models.packed_attention import TiledMasks, packed_gqa_attention
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.models.taps import LayerTap
 
 _SERIAL = itertools.count()  # names this process's targets' attention registrations apart
 
 
 class Target:
     """A model and its passes. ``narrow``: the narrow matmul route for passes of a few
-    tokens; ``exact``: every pass batch-invariant (:mod:`decoders.models.kernels`)."""
+    tokens; ``exact``: every pass batch-invariant (:mod:`specdec.decoders.models.kernels`)."""
 
     def __init__(self, model: torch.nn.Module, narrow: bool = False, exact: bool = False) -> None:
         if isinstance(model, Target):
@@ -137,7 +137,7 @@ class Target:
     @property
     def exact_attention(self) -> bool:
         """Whether attention runs exact mode's batch-invariant kernel (it may refuse a model
-        whose attention it cannot route; see :mod:`decoders.models.invariance`)."""
+        whose attention it cannot route; see :mod:`specdec.decoders.models.invariance`)."""
         return self.attention == self._attention_names["exact"]
 
     @property

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 
-from decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.draft import Draft, Round
 
 CONFIDENCE_BUCKETS = 10  # buckets of a drafter's probability in the confident convention's keys
 

@@ -6,24 +6,24 @@ token before it is accepted too. With a(key, d) the measured share of depth-d
 tokens accepted when tried, per situation ``key`` (for prompt lookup: the length
 of the matched suffix; for Medusa chains: the first head's confidence), a draft
 of L tokens is the chain whose node values are the survival products
-prod_{j<=d} a(key, j), and :func:`decoders.sizing.search.best_size` takes the L
+prod_{j<=d} a(key, j), and :func:`specdec.decoders.sizing.search.best_size` takes the L
 with the most expected tokens per second, drafting cost per token included;
 L = 0 (a plain decoding step) wins when the candidates are rarely accepted.
 
 Rates are optimistic until measured (:meth:`AcceptanceStats.optimistic`: 1 for an
 untried depth), so a new situation is drafted in full, and a situation that was
 switched off is retried after ``explore_every`` rounds so that it can recover (the
-wait doubling after each retry that left it off, :class:`decoders.sizing.search.Probe`).
+wait doubling after each retry that left it off, :class:`specdec.decoders.sizing.search.Probe`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from decoders.engine.draft import Draft, Round
-from decoders.models.cost import CostCurve
-from decoders.sizing.acceptance import AcceptanceStats
-from decoders.sizing.search import MIN_GAIN, PassSeconds, Probe, Sizer, best_size, survival
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.acceptance import AcceptanceStats
+from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Probe, Sizer, best_size, survival
 
 
 class DraftLengthPolicy(Sizer):

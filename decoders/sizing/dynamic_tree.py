@@ -18,10 +18,10 @@ model, Medusa heads step their sequential state):
     probability, the product along its path of the acceptance measured for
     nodes of its depth and confidence (:meth:`AcceptanceStats.confident`: the
     drafter's own probability until measured), and the tree keeps the n best, n
-    from :func:`decoders.sizing.search.best_size`: the most expected tokens per
+    from :func:`specdec.decoders.sizing.search.best_size`: the most expected tokens per
     second, (1 + sum of the n best estimates) / (T(n + 1) + D), with T the
     target's pass cost curve and D the drafting seconds per round measured so
-    far (the engine's measure, :class:`~decoders.engine.draft.Round`). A node never outranks its parent (a
+    far (the engine's measure, :class:`~specdec.decoders.engine.draft.Round`). A node never outranks its parent (a
     product of factors <= 1, ties broken by depth), so any best-n set is a tree.
     Growth also stops early, at the level whose frontier is too unlikely to be
     accepted to pay for one more ``expand`` call (``DynamicTree._worth_expanding``), and
@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from decoders.engine.draft import Draft, Round
-from decoders.engine.sampling import check_finite
-from decoders.models.cost import CostCurve
-from decoders.sizing.acceptance import CONFIDENCE_BUCKETS, AcceptanceStats, confidence_bucket
-from decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.sampling import check_finite
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.acceptance import CONFIDENCE_BUCKETS, AcceptanceStats, confidence_bucket
+from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size
 
 # expand(frontier, rows, parents, depth) -> (len(frontier), n) logits of the children of the
 # frontier nodes (all at ``depth``); rows/parents describe every candidate grown so far (rows

@@ -1,6 +1,6 @@
 """Whether a round drafts at all: decided before the proposer runs, from earlier rounds.
 
-A proposer's own sizing (chain lengths, tree budgets, :mod:`decoders.sizing.search`)
+A proposer's own sizing (chain lengths, tree budgets, :mod:`specdec.decoders.sizing.search`)
 can size a draft down to nothing, but only after drafting: a model drafter has by
 then paid its forward passes. Where its drafts are seldom accepted (a distilled
 draft on long documents, heads at temperature 1 on translation) every round pays
@@ -35,7 +35,7 @@ A request's first drafted round is not counted: its drafting seconds hold the
 drafter's catching up on the whole prompt (a draft model's own prefill, the copy
 heads' memory of the prompt), paid once per request, not per round.
 
-Closed, a situation is still probed (:class:`decoders.sizing.search.Probe`: one
+Closed, a situation is still probed (:class:`specdec.decoders.sizing.search.Probe`: one
 drafted round after ``explore_every`` skipped ones, the wait doubling while the
 probes keep it closed, up to 4 times as long), and every request starts with the
 wait reset. The benchmark clears what the gate measured during its warm-up
@@ -44,7 +44,7 @@ wait reset. The benchmark clears what the gate measured during its warm-up
 A skipped round is a plain decoding step: the target's pass over the pending token
 alone, whose verdict is the target's own token (greedy) or a sample from its
 distribution. So the gate keeps every verifier lossless, whatever decided it. The
-proposer is told (:meth:`~decoders.engine.proposer.Proposer.skip`) so that state it
+proposer is told (:meth:`~specdec.decoders.engine.proposer.Proposer.skip`) so that state it
 keeps in step with the target's passes (copy heads' context memory, EAGLE's
 features) takes in the round it did not draft.
 
@@ -58,8 +58,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decoders.models.cost import CostCurve
-from decoders.sizing.search import PassSeconds, Probe
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.search import PassSeconds, Probe
 
 AFTER_ACCEPT, AFTER_MISS = "after_accept", "after_miss"
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable
 
-from decoders.engine.draft import Round
-from decoders.models.cost import CostCurve
+from specdec.decoders.engine.draft import Round
+from specdec.decoders.models.cost import CostCurve
 
 MIN_GAIN = 0.01  # a bigger draft must promise this much more tokens per second
 
@@ -75,7 +75,7 @@ class PassSeconds:
     """T(1) .. T(max_tokens), non-decreasing, read from the target's cost curve on first
     use (so a curve that still has to be measured is measured only when needed) and
     again whenever the curve's ``version`` changes (a live curve,
-    :class:`decoders.models.cost.PassTimes`)."""
+    :class:`specdec.decoders.models.cost.PassTimes`)."""
 
     def __init__(self, target_cost: Callable[[], CostCurve], max_tokens: int) -> None:
         self._target_cost = target_cost

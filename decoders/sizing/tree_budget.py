@@ -8,7 +8,7 @@ of the nodes at depth d that were their parent's r-th child (draft order, 0 = th
 draft's favourite) and were accepted, among those that were tried. Treating levels as independent, a node is accepted
 with the product of a(d, r) along its path. These products only shrink going down
 a path, so the n most probable nodes form a tree (:func:`node_probabilities`, best
-first), and :func:`decoders.sizing.search.best_size` takes the n with the most
+first), and :func:`specdec.decoders.sizing.search.best_size` takes the n with the most
 expected tokens per second, the drafting seconds per round included.
 
 Used by static trees (``proposer=medusa proposer.tree=auto proposer.tree_budget=auto``):
@@ -26,10 +26,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from decoders.engine.draft import Draft, Round
-from decoders.models.cost import CostCurve
-from decoders.sizing.acceptance import AcceptanceStats
-from decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.acceptance import AcceptanceStats
+from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size
 
 
 def rank_keys(draft: Draft) -> list[tuple[int, int]]:

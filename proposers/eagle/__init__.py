@@ -15,7 +15,7 @@ draft vocabulary, turns that into token t + 2::
 
 With a pointer (``copy_width`` > 0 at training, the default), ``logits_t`` is mixed
 with a pointer into the committed context, the copy heads' copy attention
-(:mod:`proposers.copy_attention`): its query is [feature_t ; embed(x_(t+1))], the
+(:mod:`specdec.proposers.copy_attention`): its query is [feature_t ; embed(x_(t+1))], the
 keys and values come from the target's highest feature and the committed tokens,
 and drafts come from the mixture over the draft vocabulary plus the context's tokens.
 
@@ -39,11 +39,11 @@ decoders/sizing/dynamic_tree.py: confidence-ranked growth, reranking and each ro
 size from T(n) and measured acceptance), deterministic at every temperature (the
 tree verifier's point-mass rule).
 
-:mod:`proposers.eagle.drafter` (the drafter module and the target's features),
-:mod:`proposers.eagle.artifact` (a trained drafter on disk) and
-:mod:`proposers.eagle.proposer` (chains, dynamic trees and the ``eagle`` proposer).
+:mod:`specdec.proposers.eagle.drafter` (the drafter module and the target's features),
+:mod:`specdec.proposers.eagle.artifact` (a trained drafter on disk) and
+:mod:`specdec.proposers.eagle.proposer` (chains, dynamic trees and the ``eagle`` proposer).
 
-Artifact layout (``python -m train drafter=eagle``)::
+Artifact layout (``python -m specdec.train drafter=eagle``)::
 
     eagle.json        architecture (feature layers, the copied layer), target, metrics
     draft_vocab.json  the draft vocabulary, ranked (proposers/draft_model.py)

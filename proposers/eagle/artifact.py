@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from proposers.draft_model import DraftVocabulary
-from proposers.eagle.drafter import EagleDrafter
+from specdec.proposers.draft_model import DraftVocabulary
+from specdec.proposers.eagle.drafter import EagleDrafter
 
 CONFIG_FILE = "eagle.json"
 ADAPTER_DIR = "adapter"
@@ -33,7 +33,7 @@ class EagleArtifact:
 
 def save_artifact(peft_drafter: nn.Module, directory: Path, meta: dict, token_counts: torch.Tensor) -> None:
     """Write adapter/ (LoRA + the modules trained in full), draft_vocab.json and eagle.json."""
-    from proposers.draft_model import save_draft_vocab
+    from specdec.proposers.draft_model import save_draft_vocab
 
     directory.mkdir(parents=True, exist_ok=True)
     peft_drafter.save_pretrained(str(directory / ADAPTER_DIR))
@@ -58,7 +58,7 @@ def load_artifact(directory: Path, target: nn.Module) -> EagleArtifact:
         raise ValueError(
             f"the EAGLE drafter in {directory} was trained for a target with vocab {meta['vocab_size']}, hidden "
             f"size {meta['hidden_size']} and {meta['num_target_layers']} layers, but this target has "
-            f"{vocab_size}, {hidden_size} and {num_layers}; retrain it with `python -m train drafter=eagle`."
+            f"{vocab_size}, {hidden_size} and {num_layers}; retrain it with `python -m specdec.train drafter=eagle`."
         )
     vocabulary = DraftVocabulary.load(directory, meta["draft_vocab_size"])
     drafter = EagleDrafter(

@@ -2,10 +2,10 @@
 
 :class:`EagleDrafter` fuses the target's features with the next token's embedding
 and runs one decoder layer over them; the target's layer tap
-(:class:`decoders.models.taps.LayerTap`, ``target.tap(layers)``) collects its
+(:class:`specdec.decoders.models.taps.LayerTap`, ``target.tap(layers)``) collects its
 intermediate layers' outputs from its own passes (forward hooks, no extra pass);
 :func:`target_features` assembles them per committed position. See
-:mod:`proposers.eagle` for the scheme.
+:mod:`specdec.proposers.eagle` for the scheme.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import copy
 import torch
 from torch import nn
 
-from decoders.models.architecture import UnsupportedArchitectureError
-from decoders.models.taps import LayerTap
-from proposers.copy_attention import ContextMemory, CopyAttention
-from proposers.draft_model import DraftVocabulary
+from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.taps import LayerTap
+from specdec.proposers.copy_attention import ContextMemory, CopyAttention
+from specdec.proposers.draft_model import DraftVocabulary
 
 
 def resolve_layers(feature_layers: list[int] | None, num_layers: int) -> list[int]:
@@ -71,7 +71,7 @@ class EagleDrafter(nn.Module):
     vocabulary (frozen).
 
     With ``copy_width`` > 0 the drafter also points into the committed context
-    (:mod:`proposers.copy_attention`, the copy heads' pointer): the query at depth k
+    (:mod:`specdec.proposers.copy_attention`, the copy heads' pointer): the query at depth k
     is what the layer reads there, [feature ; embed(next token)], with its own query,
     scale and gate for each of the first ``copy_depths`` depths (deeper ones share the
     last); the keys and values come from the target's highest feature and the tokens

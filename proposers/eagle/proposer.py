@@ -15,25 +15,25 @@ from typing import Any
 
 import torch
 
-from decoders.engine.context import artifact_source
-from decoders.engine.draft import Draft, Round
-from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Proposer, constrained_rows, draft_token
-from decoders.engine.registry import register_proposer
-from decoders.engine.sampling import check_finite
-from decoders.models.session import ModelSession
-from decoders.sizing.acceptance import confidence_bucket
-from decoders.sizing.draft_length import DraftLengthPolicy
-from decoders.sizing.dynamic_tree import DynamicTree
-from proposers.copy_attention import ContextMemory, drafting_log_probs
-from proposers.eagle.artifact import CONFIG_FILE, load_artifact
-from proposers.eagle.drafter import check_llama_style, target_features
+from specdec.decoders.engine.context import artifact_source
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.files import readable_artifact
+from specdec.decoders.engine.proposer import Proposer, constrained_rows, draft_token
+from specdec.decoders.engine.registry import register_proposer
+from specdec.decoders.engine.sampling import check_finite
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.sizing.acceptance import confidence_bucket
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.sizing.dynamic_tree import DynamicTree
+from specdec.proposers.copy_attention import ContextMemory, drafting_log_probs
+from specdec.proposers.eagle.artifact import CONFIG_FILE, load_artifact
+from specdec.proposers.eagle.drafter import check_llama_style, target_features
 
 
 @register_proposer("eagle")
 class EagleProposer(Proposer):
     artifact = "eagle"
-    trainer = "train.eagle"
+    trainer = "specdec.train.eagle"
 
     @dataclass
     class Config:

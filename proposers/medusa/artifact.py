@@ -1,6 +1,6 @@
 """Medusa artifacts: reading and writing trained heads.
 
-Artifact layout (written by ``python -m train drafter=medusa``)::
+Artifact layout (written by ``python -m specdec.train drafter=medusa``)::
 
     medusa.json         architecture, target key, training summary, default tree
     heads.safetensors   the residual blocks, input mixers (sequential heads) and
@@ -17,7 +17,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from proposers.medusa.heads import MedusaHeads
+from specdec.proposers.medusa.heads import MedusaHeads
 
 CONFIG_FILE = "medusa.json"
 BLOCKS_FILE = "heads.safetensors"
@@ -62,7 +62,7 @@ def load_artifact(
         raise ValueError(
             f"the Medusa heads in {directory} were trained for a target with vocab {meta['vocab_size']} and "
             f"hidden size {meta['hidden_size']}, but this target has {vocab_size} and {hidden_size}; "
-            "retrain them for this target with `python -m train drafter=medusa`."
+            "retrain them for this target with `python -m specdec.train drafter=medusa`."
         )
     sequential = bool(meta.get("sequential", False))
     if sequential and embeddings is None:

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decoders.models.kernels import PackedProduct
-from proposers.copy_attention import ContextMemory, CopyAttention, drafting_log_probs
-from proposers.vocabulary import ReducedVocabulary
+from specdec.decoders.models.kernels import PackedProduct
+from specdec.proposers.copy_attention import ContextMemory, CopyAttention, drafting_log_probs
+from specdec.proposers.vocabulary import ReducedVocabulary
 
 LORA_TARGETS = r"lm_heads\.\d+"  # PEFT target_modules: every head's lm projection
 

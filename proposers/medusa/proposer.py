@@ -1,4 +1,4 @@
-"""The Medusa proposer: drafts from the heads (:mod:`proposers.medusa.heads`).
+"""The Medusa proposer: drafts from the heads (:mod:`specdec.proposers.medusa.heads`).
 
 Drafts are token trees filled level by level (a chain is the tree whose every
 node has one child); a node's token comes from the distribution its parent's
@@ -44,22 +44,22 @@ from typing import Any
 
 import torch
 
-from decoders.engine.context import artifact_source
-from decoders.engine.draft import Draft, Round
-from decoders.engine.files import readable_artifact
-from decoders.engine.proposer import Preset, Proposer, constrained_rows
-from decoders.engine.registry import register_proposer
-from decoders.engine.sampling import check_finite, processed_probs
-from decoders.sizing.acceptance import confidence_bucket
-from decoders.sizing.draft_length import DraftLengthPolicy
-from decoders.sizing.dynamic_tree import DynamicTree
-from decoders.sizing.search import Sizer
-from decoders.sizing.tree_budget import TreeBudget
-from proposers.copy_attention import ContextMemory
-from proposers.medusa.artifact import CONFIG_FILE, load_artifact
-from proposers.medusa.heads import MedusaHeads
-from proposers.medusa.trees import build_tree, draw_siblings
-from proposers.vocabulary import on_vocabulary
+from specdec.decoders.engine.context import artifact_source
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.files import readable_artifact
+from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows
+from specdec.decoders.engine.registry import register_proposer
+from specdec.decoders.engine.sampling import check_finite, processed_probs
+from specdec.decoders.sizing.acceptance import confidence_bucket
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.sizing.dynamic_tree import DynamicTree
+from specdec.decoders.sizing.search import Sizer
+from specdec.decoders.sizing.tree_budget import TreeBudget
+from specdec.proposers.copy_attention import ContextMemory
+from specdec.proposers.medusa.artifact import CONFIG_FILE, load_artifact
+from specdec.proposers.medusa.heads import MedusaHeads
+from specdec.proposers.medusa.trees import build_tree, draw_siblings
+from specdec.proposers.vocabulary import on_vocabulary
 
 # ---------------------------------------------------------------- proposer
 
@@ -133,7 +133,7 @@ class _HeadOutputs:
 @register_proposer("medusa")
 class MedusaProposer(Proposer):
     artifact = "medusa"
-    trainer = "train.medusa"
+    trainer = "specdec.train.medusa"
 
     @dataclass
     class Config:
@@ -374,9 +374,9 @@ class MedusaProposer(Proposer):
 
 @register_proposer("copy_heads")
 class CopyHeadsProposer(MedusaProposer):
-    """The copy heads: the heads ``python -m train drafter=medusa`` trains by default, each
+    """The copy heads: the heads ``python -m specdec.train drafter=medusa`` trains by default, each
     mixing its vocabulary distribution with a pointer into the committed context
-    (:mod:`proposers.copy_attention`). Its defaults are its best measured configuration on
+    (:mod:`specdec.proposers.copy_attention`). Its defaults are its best measured configuration on
     the default target: a dynamic tree grown from the heads' confidence, sized each round
     from T(n) and the acceptance measured (``tree_budget: auto``), verified by ``tree``."""
 

@@ -1,5 +1,5 @@
 """Medusa trees: choice paths as draft nodes, the best tree from measured per-rank
-accuracies, and siblings drawn for sampled trees (see :mod:`proposers.medusa.proposer`)."""
+accuracies, and siblings drawn for sampled trees (see :mod:`specdec.proposers.medusa.proposer`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import heapq
 
 import torch
 
-from decoders.engine.sampling import sample
+from specdec.decoders.engine.sampling import sample
 
 
 def build_tree(choices: list[list[int]], num_heads: int) -> tuple[list[int], list[int], list[int]]:

@@ -3,9 +3,9 @@ copies shipped with the project; training always writes to the user's dir."""
 
 from __future__ import annotations
 
-from decoders.engine import context as context_module
-from decoders.engine.context import PipelineContext, artifact_source
-from decoders.models.loading import ModelConfig
+from specdec.decoders.engine import context as context_module
+from specdec.decoders.engine.context import PipelineContext, artifact_source
+from specdec.decoders.models.loading import ModelConfig
 
 
 def test_a_users_artifact_wins_over_the_shipped_one(tmp_path, monkeypatch):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoders.models.session import ModelSession
-from proposers.copy_attention import ContextMemory, CopyAttention, mixture
+from specdec.decoders.models.session import ModelSession
+from specdec.proposers.copy_attention import ContextMemory, CopyAttention, mixture
+from specdec.train.data import Sequence
+from specdec.train.medusa import IGNORE, head_inputs, sequence_views, training_rows
 from tests.conftest import random_prompts
 from tests.train.test_train import train_tiny_medusa
-from train.data import Sequence
-from train.medusa import IGNORE, head_inputs, sequence_views, training_rows
 
 
 def entries_of(heads, hidden: torch.Tensor, text: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +119,7 @@ def test_the_proposers_memory_matches_the_committed_text(
 ):
     """After speculative rounds (accepted paths compacted out of trees), the memory holds
     exactly the keys and values a single target pass over the committed text gives."""
-    from decoders import Pipeline
+    from specdec.decoders import Pipeline
 
     model, tokenizer = tiny_model
     base = Pipeline(
@@ -185,8 +185,8 @@ def test_distilling_on_the_targets_distribution(tiny_model, tmp_path):
     """drafter.distill_weight: the target's distributions are read at the position before
     each label (its top tokens, renormalised), so a one-hot distribution on the label gives
     the labels' loss exactly; the recipe trains end to end with it."""
-    from proposers.medusa.artifact import load_artifact
-    from train.medusa import copy_loss, target_distributions
+    from specdec.proposers.medusa.artifact import load_artifact
+    from specdec.train.medusa import copy_loss, target_distributions
 
     model, _ = tiny_model
     directory = train_tiny_medusa(tmp_path, ("drafter.copy_width=16", "drafter.distill_weight=0.5"))

@@ -11,19 +11,19 @@ import json
 import pytest
 import torch
 
-from decoders import Pipeline
-from decoders.engine.registry import verifier_registry
-from decoders.engine.sampling import SamplingConfig
-from decoders.engine.state import DecodeState
-from decoders.models.session import ModelSession
-from decoders.models.target import Target
-from proposers.eagle.artifact import CONFIG_FILE, load_artifact
-from proposers.eagle.drafter import resolve_layers, target_features
+from specdec.decoders import Pipeline
+from specdec.decoders.engine.registry import verifier_registry
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.engine.state import DecodeState
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.models.target import Target
+from specdec.proposers.eagle.artifact import CONFIG_FILE, load_artifact
+from specdec.proposers.eagle.drafter import resolve_layers, target_features
+from specdec.train.eagle import Config, padded, ranked, unrolled
+from specdec.train.job import run
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
 from tests.train.test_train import compose_train
-from train.eagle import Config, padded, ranked, unrolled
-from train.job import run
 
 TINY_EAGLE = [
     "model=tiny-random",
@@ -203,8 +203,8 @@ def test_training_round_trip(artifacts, tiny_model):
 
 def test_untrained_drafter_passes_the_last_feature_through(tiny_model):
     """fuse and combine start as the identity on the highest feature."""
-    from proposers.draft_model import DraftVocabulary
-    from proposers.eagle.drafter import EagleDrafter
+    from specdec.proposers.draft_model import DraftVocabulary
+    from specdec.proposers.eagle.drafter import EagleDrafter
 
     model, _ = tiny_model
     vocabulary = DraftVocabulary(torch.arange(model.config.vocab_size), model.config.vocab_size)
@@ -216,7 +216,7 @@ def test_untrained_drafter_passes_the_last_feature_through(tiny_model):
 
 
 def test_missing_artifact_names_the_training_command(tiny_pipeline):
-    with pytest.raises(FileNotFoundError, match="python -m train drafter=eagle model=tiny-random"):
+    with pytest.raises(FileNotFoundError, match="python -m specdec.train drafter=eagle model=tiny-random"):
         tiny_pipeline.with_components("eagle", "greedy")
 
 
@@ -259,9 +259,9 @@ def test_the_pointer_reaches_context_tokens_outside_the_draft_vocabulary(tiny_mo
     """With its gate shut on the layer, the drafter's distribution is the pointer's: all of
     its mass on tokens that followed committed positions, one of them outside the draft
     vocabulary, which the mixture's rows (draft vocabulary, then the context's) give."""
-    from proposers.copy_attention import drafting_log_probs
-    from proposers.draft_model import DraftVocabulary
-    from proposers.eagle.drafter import EagleDrafter
+    from specdec.proposers.copy_attention import drafting_log_probs
+    from specdec.proposers.draft_model import DraftVocabulary
+    from specdec.proposers.eagle.drafter import EagleDrafter
 
     model, _ = tiny_model
     vocabulary = DraftVocabulary(torch.arange(8), model.config.vocab_size)  # tokens 0..7 only

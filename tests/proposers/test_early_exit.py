@@ -9,14 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoders import Pipeline
-from decoders.engine.sampling import SamplingConfig
-from decoders.engine.state import DecodeState
-from decoders.models.cost import CostCurve
-from decoders.models.layered import LayeredDecoder, UnsupportedArchitectureError, check_layered_equivalence
-from decoders.models.loading import ModelConfig, load_model
-from decoders.models.session import ModelSession
-from proposers.early_exit import EarlyExitProposer, ExitHead, exit_artifact_dir
+from specdec.decoders import Pipeline
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.engine.state import DecodeState
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.models.layered import (
+    LayeredDecoder,
+    UnsupportedArchitectureError,
+    check_layered_equivalence,
+)
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.decoders.models.session import ModelSession
+from specdec.proposers.early_exit import EarlyExitProposer, ExitHead, exit_artifact_dir
 from tests.conftest import REPO_ROOT, random_prompts
 
 NUM_LAYERS = 4
@@ -248,7 +252,7 @@ def test_trained_exit_loads_and_stays_lossless(base, deep_model, adapt_layer):
 
 
 def test_missing_trained_exit_names_the_training_command(base):
-    with pytest.raises(FileNotFoundError, match="python -m train drafter=early_exit"):
+    with pytest.raises(FileNotFoundError, match="python -m specdec.train drafter=early_exit"):
         early_exit(base, exit_layer=2, trained=True)
 
 
@@ -323,12 +327,12 @@ TINY_EXIT_RECIPE = [
 
 
 def test_training_the_exit_brings_it_closer_to_the_target(tmp_path, deep_model, deep_config):
-    """`python -m train drafter=early_exit` on the tiny model: the held-out KL to the
+    """`python -m specdec.train drafter=early_exit` on the tiny model: the held-out KL to the
     full-depth distribution drops, the artifact loads into the proposer (reuse kept),
     and a shallow-LoRA exit loads with reuse switched off; both stay lossless."""
     from hydra import compose, initialize_config_dir
 
-    from train.job import run
+    from specdec.train.job import run
 
     model, tokenizer = deep_model
     base = Pipeline(model, tokenizer, model_config=deep_config, artifacts_dir=tmp_path)
@@ -357,8 +361,8 @@ def test_a_bfloat16_target_trains_its_exit_in_float32(tmp_path):
     from hydra import compose, initialize_config_dir
     from safetensors.torch import load_file
 
-    from proposers.early_exit import EXIT_WEIGHTS
-    from train.job import run
+    from specdec.proposers.early_exit import EXIT_WEIGHTS
+    from specdec.train.job import run
 
     overrides = [o for o in TINY_EXIT_RECIPE if not o.startswith("model.dtype")] + [
         "model.dtype=bfloat16",

@@ -6,20 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoders import Pipeline
-from decoders.engine.registry import verifier_registry
-from decoders.engine.sampling import SamplingConfig, processed_probs
-from decoders.engine.state import DecodeState
-from decoders.models.loading import ModelConfig, load_model
-from decoders.models.session import ModelSession
-from proposers.copy_attention import mixture
-from proposers.medusa.artifact import load_artifact, save_artifact
-from proposers.medusa.trees import best_tree, build_tree, draw_siblings
+from specdec.decoders import Pipeline
+from specdec.decoders.engine.registry import verifier_registry
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs
+from specdec.decoders.engine.state import DecodeState
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.decoders.models.session import ModelSession
+from specdec.proposers.copy_attention import mixture
+from specdec.proposers.medusa.artifact import load_artifact, save_artifact
+from specdec.proposers.medusa.trees import best_tree, build_tree, draw_siblings
+from specdec.train.medusa import Config, build_heads
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target, assert_greedy_identical
 from tests.proposers.test_copy_attention import entries_of
 from tests.train.test_train import train_tiny_medusa
-from train.medusa import Config, build_heads
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -339,7 +339,7 @@ def test_dynamic_trees_draft_the_sampled_tree_when_sampling(base):
 
 
 def test_missing_artifact_names_the_training_command(tiny_pipeline):
-    with pytest.raises(FileNotFoundError, match="python -m train drafter=medusa model=tiny-random"):
+    with pytest.raises(FileNotFoundError, match="python -m specdec.train drafter=medusa model=tiny-random"):
         tiny_pipeline.with_components("medusa", "greedy")
 
 
@@ -376,11 +376,11 @@ def test_auto_budget_is_rechosen_from_measured_acceptance(base):
 def test_shipped_heads_load_from_package_data_and_stay_lossless(
     artifacts, tiny_model, tiny_config, tmp_path, monkeypatch
 ):
-    """`python -m train.ship` copies the heads in bfloat16 into the shipped drafters; a
+    """`python -m specdec.train.ship` copies the heads in bfloat16 into the shipped drafters; a
     pipeline with no artifacts of its own then finds them, says so, and its greedy output
     is still standard decoding's."""
-    from decoders.engine import context as context_module
-    from train.ship import ship
+    from specdec.decoders.engine import context as context_module
+    from specdec.train.ship import ship
 
     model, tokenizer = tiny_model
     key = Pipeline(model, tokenizer, model_config=tiny_config).context.target_key

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decoders.engine.draft import Draft, Round
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import RegistryError, build, proposer_registry
-from decoders.models.cost import CostCurve
-from decoders.sizing.search import PassSeconds, Sizer, best_size
-from proposers.merge import MAX_JOINED_NODES, MergeProposer
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import RegistryError, build, proposer_registry
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.search import PassSeconds, Sizer, best_size
+from specdec.proposers.merge import MAX_JOINED_NODES, MergeProposer
 from tests.conftest import CONSTRAINT_ONLY_PROPOSERS, TEXT_PROPOSERS, random_prompts
 
 

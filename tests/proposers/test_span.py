@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from decoders.engine.registry import build, proposer_registry
-from decoders.engine.sampling import SamplingConfig
-from decoders.engine.state import DecodeState
+from specdec.decoders.engine.registry import build, proposer_registry
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.engine.state import DecodeState
 
 PROMPT = "The station is in Tartu, Estonia, by the river."
 SCHEMA = {

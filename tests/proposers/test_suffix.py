@@ -11,19 +11,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoders.engine.context import PipelineContext
-from decoders.engine.draft import Round
-from decoders.engine.registry import build, proposer_registry
-from decoders.engine.sampling import SamplingConfig
-from decoders.evaluation.audit import sample_outcomes
-from decoders.evaluation.audit_statistics import (
+from specdec.decoders.engine.context import PipelineContext
+from specdec.decoders.engine.draft import Round
+from specdec.decoders.engine.registry import build, proposer_registry
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.evaluation.audit import sample_outcomes
+from specdec.decoders.evaluation.audit_statistics import (
     combined_p_value,
     exact_distribution,
     sequential_goodness_of_fit,
 )
-from decoders.models.cost import CostCurve
-from decoders.models.loading import ModelConfig, load_model
-from proposers.suffix_index import SuffixIndex
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.proposers.suffix_index import SuffixIndex
 from tests.conftest import random_prompts
 
 FLAT_COST = CostCurve({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.2, 16: 1.5, 32: 2.5})  # cheap wide passes
@@ -375,7 +375,7 @@ SAMPLING = SamplingConfig(temperature=0.8, top_k=6, top_p=0.95)
 def test_sampled_tree_decoding_has_standard_decodings_distribution(tmp_path):
     """Chi-square of 300 tree-verified samples of the first 3 tokens (one per seed, the
     memory growing from sample to sample) against the exact standard distribution."""
-    from decoders import Pipeline
+    from specdec.decoders import Pipeline
 
     config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float64", device="cpu")
     model, _ = load_model(config)
@@ -396,7 +396,7 @@ def test_sampled_tree_decoding_has_standard_decodings_distribution(tmp_path):
 
 
 def test_agentic_workload_runs_families_in_order_with_first_requests_apart():
-    from decoders.evaluation.workloads import WorkloadConfig, load_workload
+    from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
 
     prompts = load_workload(WorkloadConfig(name="agentic"))
     families = list(dict.fromkeys(p.category.partition("/")[0] for p in prompts))
@@ -408,7 +408,7 @@ def test_agentic_workload_runs_families_in_order_with_first_requests_apart():
 
 
 def test_stages_are_reported_over_every_family():
-    from decoders.evaluation.metrics import Record, pipeline_entry
+    from specdec.decoders.evaluation.metrics import Record, pipeline_entry
 
     def record(category: str, seconds: float, passes: int) -> Record:
         return Record("p", category, 0, 0, 10, seconds, [0] * 10, passes, 0, 0, 0.0, 0.0, [1] * passes)

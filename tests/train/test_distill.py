@@ -15,22 +15,28 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decoders import Pipeline
-from decoders.cli.config import to_dataclass
-from decoders.engine.sampling import SamplingConfig
-from decoders.evaluation.audit import sample_outcomes
-from decoders.evaluation.audit_statistics import (
+from specdec.decoders import Pipeline
+from specdec.decoders.cli.config import to_dataclass
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.evaluation.audit import sample_outcomes
+from specdec.decoders.evaluation.audit_statistics import (
     combined_p_value,
     exact_distribution,
     sequential_goodness_of_fit,
 )
-from decoders.models.loading import ModelConfig
-from proposers.draft_model import DRAFT_VOCAB_FILE, FROM_TARGET_FILE, load_draft_sharing_target
+from specdec.decoders.models.loading import ModelConfig
+from specdec.proposers.draft_model import DRAFT_VOCAB_FILE, FROM_TARGET_FILE, load_draft_sharing_target
+from specdec.train.data import DataConfig, self_distilled, split_heldout
+from specdec.train.draft_model import (
+    META_FILE,
+    build_draft,
+    chosen_layers,
+    distillation_loss,
+    total_variation,
+)
+from specdec.train.job import run
+from specdec.train.ship import ship
 from tests.train.test_train import compose_train
-from train.data import DataConfig, self_distilled, split_heldout
-from train.draft_model import META_FILE, build_draft, chosen_layers, distillation_loss, total_variation
-from train.job import run
-from train.ship import ship
 
 TINY_DISTILL = [
     "model=tiny-random",

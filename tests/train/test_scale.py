@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train.generation as generation
-from decoders import Pipeline
+import specdec.train.generation as generation
+from specdec.decoders import Pipeline
+from specdec.train.draft_model import META_FILE
+from specdec.train.job import run
+from specdec.train.loop import FitConfig, RunLogger, ScaleConfig, fit
+from specdec.train.processes import process_state
 from tests.conftest import REPO_ROOT
 from tests.train.test_distill import TINY_DISTILL
 from tests.train.test_train import compose_train
-from train.draft_model import META_FILE
-from train.job import run
-from train.loop import FitConfig, RunLogger, ScaleConfig, fit
-from train.processes import process_state
 
 TARGET_KEY = "tiny-random-v320-h64-l2-s0"
 # test_distill's tiny distillation, generating in 4 parts (the processes take 2 each), checkpointing often

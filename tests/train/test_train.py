@@ -14,20 +14,28 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import train.generation as generation
-from decoders import Pipeline
-from decoders.cli.config import to_dataclass
-from decoders.engine.sampling import SamplingConfig
-from decoders.evaluation.workloads import DEFAULT_PROMPTS
-from decoders.models.session import ModelSession
-from proposers.medusa.artifact import load_artifact
+import specdec.train.generation as generation
+from specdec.decoders import Pipeline
+from specdec.decoders.cli.config import to_dataclass
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.evaluation.workloads import DEFAULT_PROMPTS
+from specdec.decoders.models.session import ModelSession
+from specdec.proposers.medusa.artifact import load_artifact
+from specdec.train import checkpoints
+from specdec.train import prompts as builtin
+from specdec.train.data import DataConfig, read_prompt_file, self_distilled, split_heldout
+from specdec.train.job import drafter_module, run
+from specdec.train.loop import FitConfig, RunLogger, fit
+from specdec.train.medusa import (
+    IGNORE,
+    Config,
+    build_heads,
+    evaluate,
+    head_inputs,
+    training_rows,
+    vocab_index,
+)
 from tests.conftest import REPO_ROOT, random_prompts
-from train import checkpoints
-from train import prompts as builtin
-from train.data import DataConfig, read_prompt_file, self_distilled, split_heldout
-from train.job import drafter_module, run
-from train.loop import FitConfig, RunLogger, fit
-from train.medusa import IGNORE, Config, build_heads, evaluate, head_inputs, training_rows, vocab_index
 
 TINY_RECIPE = [
     "model=tiny-random",
@@ -236,7 +244,7 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
     # With no artifact of the user's, the shipped copy is measured; it is package data, so it
     # stays as shipped and the measurement goes to the run's folder. With neither, the error
     # names the command that trains one.
-    from decoders.engine import context as context_module
+    from specdec.decoders.engine import context as context_module
 
     shipped_root = tmp_path / "shipped"
     shutil.copytree(artifact, shipped_root / meta["target"] / "medusa")
@@ -253,7 +261,7 @@ def test_training_lowers_the_loss_and_beats_chance(tmp_path, tiny_model, tiny_co
     monkeypatch.setattr(context_module, "SHIPPED_ARTIFACTS", tmp_path / "none-shipped")
     with pytest.raises(
         FileNotFoundError,
-        match="no medusa artifact at .*train one first with `python -m train drafter=medusa",
+        match="no medusa artifact at .*train one first with `python -m specdec.train drafter=medusa",
     ):
         run(compose_train(measure_again))
 

@@ -25,23 +25,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import verifiers.rejection as rejection
-from decoders import Pipeline
-from decoders.engine.draft import Draft
-from decoders.engine.registry import proposer_registry
-from decoders.engine.sampling import NonFiniteLogitsError, SamplingConfig, processed_probs, sample
-from decoders.engine.state import DecodeState
-from decoders.evaluation.audit import sample_outcomes
-from decoders.evaluation.audit_statistics import (
+import specdec.verifiers.rejection as rejection
+from specdec.decoders import Pipeline
+from specdec.decoders.engine.draft import Draft
+from specdec.decoders.engine.registry import proposer_registry
+from specdec.decoders.engine.sampling import NonFiniteLogitsError, SamplingConfig, processed_probs, sample
+from specdec.decoders.engine.state import DecodeState
+from specdec.decoders.evaluation.audit import sample_outcomes
+from specdec.decoders.evaluation.audit_statistics import (
     combined_p_value,
     exact_distribution,
     goodness_of_fit,
     sequential_goodness_of_fit,
 )
-from decoders.models.loading import ModelConfig, load_model
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.verifiers.greedy import greedy_walk
+from specdec.verifiers.rejection import RejectionVerifier, point_mass, residual_distribution
 from tests.conftest import pipeline_or_skip
-from verifiers.greedy import greedy_walk
-from verifiers.rejection import RejectionVerifier, point_mass, residual_distribution
 
 Prefix = tuple[int, ...]
 SAMPLED = SamplingConfig(temperature=1.0)

@@ -21,24 +21,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from decoders.engine.context import PipelineContext
-from decoders.engine.decoding import StopConditions, decode
-from decoders.engine.draft import Draft, Round
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import build, proposer_registry
-from decoders.engine.sampling import SamplingConfig, processed_probs, sample
-from decoders.models.cost import CostCurve
-from decoders.models.loading import ModelConfig, tiny_draft_model, tiny_random_model
-from decoders.models.session import ModelSession
-from decoders.sizing.acceptance import AcceptanceStats
-from decoders.sizing.draft_length import DraftLengthPolicy
-from decoders.sizing.search import best_size
-from decoders.sizing.tree_budget import TreeBudget, best_paths, node_probabilities, rank_keys
-from proposers.ngram import tree_from_sequences
+from specdec.decoders.engine.context import PipelineContext
+from specdec.decoders.engine.decoding import StopConditions, decode
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import build, proposer_registry
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.models.loading import ModelConfig, tiny_draft_model, tiny_random_model
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.sizing.acceptance import AcceptanceStats
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.sizing.search import best_size
+from specdec.decoders.sizing.tree_budget import TreeBudget, best_paths, node_probabilities, rank_keys
+from specdec.proposers.ngram import tree_from_sequences
+from specdec.verifiers.greedy import GreedyVerifier
+from specdec.verifiers.tree import TreeVerifier, multi_draft_walk, sibling_round
+from specdec.verifiers.typical import TypicalVerifier
 from tests.conftest import random_prompts
-from verifiers.greedy import GreedyVerifier
-from verifiers.tree import TreeVerifier, multi_draft_walk, sibling_round
-from verifiers.typical import TypicalVerifier
 
 GREEDY = SamplingConfig()
 
@@ -181,7 +181,7 @@ def test_multi_draft_walk_follows_certain_branches():
 def test_tree_verifier_processes_only_the_rows_its_walk_reaches(monkeypatch):
     """The verifier turns a row's logits into probabilities when its walk gets there:
     the verdicts of processing every row first, from the accepted path's rows alone."""
-    from verifiers import tree as tree_module
+    from specdec.verifiers import tree as tree_module
 
     draft = Draft([5, 6, 7, 8, 2], [-1, -1, 1, 1, 3])  # a tree with a sibling at two levels
     sampling = SamplingConfig(temperature=0.8, top_k=6)

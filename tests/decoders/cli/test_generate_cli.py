@@ -1,4 +1,4 @@
-"""`python -m decoders.generate` end to end on the tiny model."""
+"""`python -m specdec.decoders.generate` end to end on the tiny model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.conftest import REPO_ROOT
 
 def run_generate(*overrides: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "decoders.generate", "model=tiny-random", *overrides],
+        [sys.executable, "-m", "specdec.decoders.generate", "model=tiny-random", *overrides],
         cwd=cwd, capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
@@ -46,7 +46,7 @@ def test_project_errors_are_one_line_unless_debugging(tmp_path):
     missing = run_generate("prompt=hi", "proposer=medusa", f"artifacts_dir={tmp_path}", cwd=tmp_path)
     assert missing.returncode == 2, missing.stderr
     last = missing.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: no Medusa heads") and "python -m train drafter=medusa" in last
+    assert last.startswith("error: no Medusa heads") and "python -m specdec.train drafter=medusa" in last
     assert "Traceback" not in missing.stderr
     debugging = run_generate(
         "prompt=hi", "proposer=medusa", f"artifacts_dir={tmp_path}", "debug=true", cwd=tmp_path

@@ -40,7 +40,7 @@ def one_error_line(done: subprocess.CompletedProcess, *expected: str) -> str:
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
     """Two benches started together: two folders, two results.json (one was overwritten)."""
-    bench = [sys.executable, "-m", "decoders.bench", "model=tiny-random", "logger=disabled",
+    bench = [sys.executable, "-m", "specdec.decoders.bench", "model=tiny-random", "logger=disabled",
              "workload.limit=1", "bench.max_new_tokens=4", "bench.plots=false", "bench.aa=false"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
     runs = [
@@ -58,7 +58,7 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
 def test_the_run_folder_names_the_process(tmp_path):
     from omegaconf import OmegaConf
 
-    import decoders.cli.config  # noqa: F401  (registers the resolver)
+    import specdec.decoders.cli.config  # noqa: F401  (registers the resolver)
 
     assert OmegaConf.create({"a": "${run_id:}"}).a.startswith(f"{os.getpid()}-")
 
@@ -87,8 +87,8 @@ def test_concurrent_writers_of_a_suffix_memory_lose_no_request(tmp_path):
 
 
 def test_results_say_whether_they_are_complete_and_consumers_check(tmp_path, monkeypatch):
-    from decoders.evaluation import report
-    from decoders.evaluation.replay import run_replay
+    from specdec.decoders.evaluation import report
+    from specdec.decoders.evaluation.replay import run_replay
     from tests.bench_helpers import run_bench, tiny_overrides, write_workload
 
     output = tmp_path / "run" / "results.json"
@@ -111,14 +111,16 @@ def test_results_say_whether_they_are_complete_and_consumers_check(tmp_path, mon
 def test_an_unwritable_output_is_refused_before_any_work(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    done = command("decoders.bench", "model=tiny-random", "proposer=ngram", f"bench.output={blocker}/r.json",
+    done = command("specdec.decoders.bench", "model=tiny-random", "proposer=ngram", f"bench.output={blocker}/r.json",
                    "logger=disabled", cwd=tmp_path)  # fmt: skip
     one_error_line(done, "bench.output=", "cannot write in", "writable folder")
     assert "[bench]" not in done.stderr  # nothing was measured first
 
 
 def test_zero_repeats_is_refused(tmp_path):
-    done = command("decoders.bench", "model=tiny-random", "bench.repeats=0", "logger=disabled", cwd=tmp_path)
+    done = command(
+        "specdec.decoders.bench", "model=tiny-random", "bench.repeats=0", "logger=disabled", cwd=tmp_path
+    )
     one_error_line(done, "bench.repeats=0: must be at least 1")
 
 
@@ -128,7 +130,7 @@ def test_zero_repeats_is_refused(tmp_path):
 def test_an_interrupted_audit_keeps_finished_prompts_and_never_passes(tmp_path, monkeypatch):
     """Interrupted during the greedy test: the prompts done are kept; during the sampling
     test: not passed, not 'skipped (temperature=0)', and says which test was cut short."""
-    from decoders.evaluation import audit as audit_module
+    from specdec.decoders.evaluation import audit as audit_module
     from tests.decoders.evaluation.test_audit import audit_config
 
     kept: list[dict] = []
@@ -159,8 +161,8 @@ def linear_regression(rows_count: int):
     """(rows, a logger that logs nothing, a linear module, its squared loss) for fit()."""
     import torch
 
+    from specdec.train.loop import RunLogger
     from tests.train.test_train import compose_train
-    from train.loop import RunLogger
 
     rows = {
         "x": torch.randn(rows_count, 3, dtype=torch.float64),
@@ -176,8 +178,8 @@ def linear_regression(rows_count: int):
 
 
 def test_a_run_with_other_settings_keeps_the_earlier_checkpoint(tmp_path):
-    from train import checkpoints
-    from train.loop import FitConfig, fit
+    from specdec.train import checkpoints
+    from specdec.train.loop import FitConfig, fit
 
     rows, logger, module, loss_fn = linear_regression(40)
     checkpoint = tmp_path / "checkpoint"
@@ -206,8 +208,8 @@ def test_a_run_with_other_settings_keeps_the_earlier_checkpoint(tmp_path):
 
 
 def test_a_corrupted_checkpoint_is_one_line_naming_it(tmp_path):
-    from train import checkpoints
-    from train.loop import FitConfig, fit
+    from specdec.train import checkpoints
+    from specdec.train.loop import FitConfig, fit
 
     rows, logger, module, loss_fn = linear_regression(16)
     config = FitConfig(epochs=2, batch_size=8, checkpoint_every=1)
@@ -233,8 +235,8 @@ def test_a_corrupted_checkpoint_is_one_line_naming_it(tmp_path):
 def test_corrupted_trained_heads_are_one_line(tmp_path, trained_artifacts):
     import shutil
 
-    from decoders import Pipeline
-    from decoders.models.loading import ModelConfig, load_model
+    from specdec.decoders import Pipeline
+    from specdec.decoders.models.loading import ModelConfig, load_model
 
     copy = tmp_path / "artifacts"
     shutil.copytree(trained_artifacts, copy)
@@ -250,7 +252,7 @@ def test_corrupted_trained_heads_are_one_line(tmp_path, trained_artifacts):
 
 
 def test_a_stop_string_is_a_string(tmp_path):
-    from decoders.generate import stop_strings
+    from specdec.decoders.generate import stop_strings
 
     assert stop_strings("assist") == ["assist"]
     assert stop_strings(["a", "b"]) == ["a", "b"] and stop_strings(None) == []
@@ -262,44 +264,48 @@ def test_a_stop_string_is_a_string(tmp_path):
 @pytest.mark.parametrize(
     ("module", "overrides", "expected"),
     [
-        ("decoders.generate", ["proposer=nosuch"], ["Could not find 'proposer/nosuch'", "ngram"]),
-        ("decoders.generate", ["proposer=ngram", "proposer.kk=3"], ["proposer.kk: no such option"]),
-        ("decoders.bench", ["bench.nokey=1"], ["bench.nokey: no such option"]),
-        ("decoders.generate", ["+unknown=1"], ["+unknown=1: adds an option no part of this command reads"]),
-        ("decoders.generate", ["proposer=ngram", "proposer.k=abc"], ["proposer.k=abc", "Integer"]),
-        ("decoders.replay", [], ["run has no value; give run=..."]),
+        ("specdec.decoders.generate", ["proposer=nosuch"], ["Could not find 'proposer/nosuch'", "ngram"]),
+        ("specdec.decoders.generate", ["proposer=ngram", "proposer.kk=3"], ["proposer.kk: no such option"]),
+        ("specdec.decoders.bench", ["bench.nokey=1"], ["bench.nokey: no such option"]),
         (
-            "decoders.generate",
+            "specdec.decoders.generate",
+            ["+unknown=1"],
+            ["+unknown=1: adds an option no part of this command reads"],
+        ),
+        ("specdec.decoders.generate", ["proposer=ngram", "proposer.k=abc"], ["proposer.k=abc", "Integer"]),
+        ("specdec.decoders.replay", [], ["run has no value; give run=..."]),
+        (
+            "specdec.decoders.generate",
             ["plugins=[nosuch_plugin]"],
             ["could not import plugin module 'nosuch_plugin'"],
         ),
         (
-            "decoders.generate",
+            "specdec.decoders.generate",
             ["model.device=cuda"],
             ["model.device=cuda", "no CUDA device", "model.device=cpu"],
         ),
         (
-            "decoders.generate",
+            "specdec.decoders.generate",
             ["model=hf", "model.name_or_path=/no/such/model"],
             ["/no/such/model: no such folder"],
         ),
-        ("decoders.generate", ["prompt=caf\udce9"], ["not UTF-8 text (byte 0xe9)"]),
+        ("specdec.decoders.generate", ["prompt=caf\udce9"], ["not UTF-8 text (byte 0xe9)"]),
     ],
 )
 def test_bad_input_is_one_error_line(tmp_path, module, overrides, expected):
-    args = ["model=tiny-random", *overrides] if module != "decoders.replay" else overrides
+    args = ["model=tiny-random", *overrides] if module != "specdec.decoders.replay" else overrides
     one_error_line(command(module, *args, cwd=tmp_path), *expected)
 
 
 def test_a_folder_without_a_model_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
-    done = command("decoders.generate", "model=hf", f"model.name_or_path={tmp_path}", cwd=tmp_path)
+    done = command("specdec.decoders.generate", "model=hf", f"model.name_or_path={tmp_path}", cwd=tmp_path)
     one_error_line(done, "not a model folder (no config.json)")
 
 
 def test_workload_and_cost_curve_files_are_named(tmp_path):
-    from decoders.evaluation.workloads import WorkloadConfig, load_workload
-    from decoders.models.cost import read_cost_curve
+    from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
+    from specdec.decoders.models.cost import read_cost_curve
 
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"category": "qa", "turns": ["caf\xe9"]}\n'.encode("latin-1"))
@@ -314,16 +320,16 @@ def test_workload_and_cost_curve_files_are_named(tmp_path):
 
 
 def test_report_skips_a_foreign_results_file(tmp_path, capsys):
-    from decoders.evaluation.report import collect
+    from specdec.decoders.evaluation.report import collect
 
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "results.json").write_text('{"something": "else"}')
     assert collect(tmp_path) == []
-    assert "not a results.json written by python -m decoders.bench" in capsys.readouterr().err
+    assert "not a results.json written by python -m specdec.decoders.bench" in capsys.readouterr().err
 
 
 def test_ship_refuses_a_folder_that_holds_no_drafter(tmp_path):
-    from train.ship import main
+    from specdec.train.ship import main
 
     with pytest.raises(SystemExit) as exit_:
         main([str(tmp_path)])
@@ -335,7 +341,7 @@ def test_sigterm_is_said_and_kept_as_ctrl_c():
     handler says what it kept, then it exits with status 130."""
     import signal
 
-    from decoders.cli.errors import INTERRUPTED_STATUS, cli_errors
+    from specdec.decoders.cli.errors import INTERRUPTED_STATUS, cli_errors
 
     said = []
 

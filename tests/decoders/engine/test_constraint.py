@@ -21,16 +21,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decoders import Pipeline
-from decoders.engine.constraint import ConstraintError
-from decoders.engine.draft import Draft
-from decoders.engine.registry import proposer_registry
-from decoders.engine.sampling import SamplingConfig, processed_probs
-from decoders.evaluation.peers import GrammarLogitsProcessor
+from specdec.decoders import Pipeline
+from specdec.decoders.engine.constraint import ConstraintError
+from specdec.decoders.engine.draft import Draft
+from specdec.decoders.engine.registry import proposer_registry
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs
+from specdec.decoders.evaluation.peers import GrammarLogitsProcessor
+from specdec.verifiers.rejection import residual_distribution
 from tests.bench_helpers import run_bench, tiny_overrides
 from tests.conftest import REPO_ROOT, TEXT_PROPOSERS, random_prompts
 from tests.decoders.engine.test_greedy_identity import shape_cases, shape_id
-from verifiers.rejection import residual_distribution
 
 SCHEMA = {
     "type": "object",
@@ -118,7 +118,7 @@ def test_the_grammar_proposer_merges_losslessly_with_every_proposer(drafting_pay
 
 @pytest.mark.parametrize("proposer", ["ngram", "grammar", "draft_model"])
 def test_constrained_output_is_bit_identical_in_exact_mode(proposer):
-    from decoders.models.loading import ModelConfig, byte_tokenizer
+    from specdec.decoders.models.loading import ModelConfig, byte_tokenizer
     from tests.decoders.models.test_exact import exact_tiny
 
     base = Pipeline(exact_tiny("bfloat16"), byte_tokenizer(), model_config=ModelConfig(name="tiny-random"))
@@ -293,7 +293,7 @@ def test_bad_constraints_are_refused_in_one_line(tiny_pipeline, tmp_path):
     schema_file.write_text(json.dumps(SCHEMA))
     assert tiny_pipeline.constraint({"json_schema": str(schema_file)}).description.startswith("json_schema")
     done = subprocess.run(
-        [sys.executable, "-m", "decoders.generate", "model=tiny-random", 'constraint.regex="(ab"'],
+        [sys.executable, "-m", "specdec.decoders.generate", "model=tiny-random", 'constraint.regex="(ab"'],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "PYTHONPATH": REPO_ROOT},
     )  # fmt: skip
@@ -356,7 +356,7 @@ def test_the_bench_measures_constrained_prompts_and_their_validity(drafting_pays
 
 def test_the_audit_checks_a_pipeline_under_a_constraint(tmp_path):
     """`audit` with constraint.*: standard decoding and the pipeline both decode under it."""
-    from decoders.evaluation.audit import run_audit
+    from specdec.decoders.evaluation.audit import run_audit
     from tests.bench_helpers import write_workload
     from tests.decoders.evaluation.test_audit import audit_config
 

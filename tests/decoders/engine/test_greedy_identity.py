@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoders.engine.registry import proposer_registry
+from specdec.decoders.engine.registry import proposer_registry
 from tests.conftest import (
     CONSTRAINT_ONLY_PROPOSERS,
     TEXT_PROPOSERS,
@@ -115,7 +115,7 @@ def shape_id(case: tuple[dict, str]) -> str:
 
 
 def test_every_builtin_proposer_has_its_draft_shapes_listed():
-    from decoders.engine.registry import BUILTIN_PROPOSERS
+    from specdec.decoders.engine.registry import BUILTIN_PROPOSERS
 
     assert set(BUILTIN_PROPOSERS) == set(DRAFT_SHAPES)
 

@@ -8,9 +8,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from decoders.evaluation.workloads import WorkloadConfig, load_workload
-from decoders.models.loading import ModelConfig, byte_tokenizer, resolve_dtype, tiny_random_model
-from proposers.draft_model import IncompatibleTokenizerError, check_same_tokenizer
+from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
+from specdec.decoders.models.loading import ModelConfig, byte_tokenizer, resolve_dtype, tiny_random_model
+from specdec.proposers.draft_model import IncompatibleTokenizerError, check_same_tokenizer
 
 
 def test_prompt_longer_than_context(tiny_pipeline):
@@ -27,7 +27,7 @@ def test_empty_prompt_and_bad_max_new_tokens(tiny_pipeline):
 
 
 def test_greedy_verifier_refuses_sampling(tiny_pipeline):
-    from decoders.engine.sampling import SamplingConfig
+    from specdec.decoders.engine.sampling import SamplingConfig
 
     with pytest.raises(ValueError, match="verifier=rejection"):
         tiny_pipeline.with_components("ngram", "greedy", SamplingConfig(temperature=0.7))
@@ -57,11 +57,11 @@ def test_draft_model_directory_with_another_tokenizer_fails_end_to_end(tiny_pipe
 def test_missing_draft_artifact_names_the_training_command(tiny_pipeline, tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from decoders.engine import context as context_module
+    from specdec.decoders.engine import context as context_module
 
     monkeypatch.setattr(context_module, "SHIPPED_ARTIFACTS", tmp_path / "none-shipped")
     tiny_pipeline.context.model_config = replace(tiny_pipeline.context.model_config, name="smollm2-135m")
-    with pytest.raises(FileNotFoundError, match="python -m train drafter=draft_model"):
+    with pytest.raises(FileNotFoundError, match="python -m specdec.train drafter=draft_model"):
         tiny_pipeline.with_components("draft_model", "greedy")
 
 
@@ -99,7 +99,7 @@ def test_workload_selection(tmp_path):
 def test_bad_dtype_and_model_names():
     with pytest.raises(ValueError, match="model.dtype"):
         resolve_dtype("float33", __import__("torch").device("cpu"))
-    from decoders.models.loading import load_model
+    from specdec.decoders.models.loading import load_model
 
     with pytest.raises(ValueError, match="model.name_or_path"):
         load_model(ModelConfig(name="hf"))

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from decoders.engine.draft import Draft
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import (
+from specdec.decoders.engine.draft import Draft
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import (
     RegistryError,
     build,
     import_plugins,
@@ -80,8 +80,8 @@ def test_plugins_are_imported_from_argv(tmp_path, monkeypatch):
         textwrap.dedent(
             """
             from dataclasses import dataclass
-            from decoders import Draft, register_proposer
-            from decoders.engine.proposer import Proposer
+            from specdec.decoders import Draft, register_proposer
+            from specdec.decoders.engine.proposer import Proposer
 
             @register_proposer("argv_plugin")
             class ArgvPlugin(Proposer):
@@ -118,7 +118,7 @@ def test_sampled_is_a_property_of_the_configured_proposer(tiny_pipeline):
 
 def test_builtins_are_listed_before_they_are_imported():
     """The registry names its built-ins from its table; looking one up imports it."""
-    from decoders.engine.registry import BUILTIN_PROPOSERS, BUILTIN_VERIFIERS
+    from specdec.decoders.engine.registry import BUILTIN_PROPOSERS, BUILTIN_VERIFIERS
 
     assert set(BUILTIN_PROPOSERS) <= set(proposer_registry.names())
     assert set(BUILTIN_VERIFIERS) <= set(verifier_registry.names())
@@ -129,15 +129,15 @@ def test_builtins_are_listed_before_they_are_imported():
 
 
 def test_declarations_drive_the_trainer_cli_and_presets():
-    """Every drafter ``python -m train`` offers comes from a proposer's declaration (artifact,
+    """Every drafter ``python -m specdec.train`` offers comes from a proposer's declaration (artifact,
     trainer), and preset labels resolve to the proposer that declares them."""
-    from decoders.engine.registry import drafter_trainers, find_preset
+    from specdec.decoders.engine.registry import drafter_trainers, find_preset
 
     assert drafter_trainers() == {
-        "draft_model": "train.draft_model",
-        "eagle": "train.eagle",
-        "early_exit": "train.early_exit",
-        "medusa": "train.medusa",
+        "draft_model": "specdec.train.draft_model",
+        "eagle": "specdec.train.eagle",
+        "early_exit": "specdec.train.early_exit",
+        "medusa": "specdec.train.medusa",
     }
     name, preset = find_preset("copy_heads_chain")
     assert name == "copy_heads" and preset.options["tree"] is None

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decoders.engine.draft import Draft, Round
-from decoders.engine.proposer import Proposer
-from decoders.engine.registry import build, verifier_registry
-from decoders.engine.verifier import Verifier
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import build, verifier_registry
+from specdec.decoders.engine.verifier import Verifier
 from tests.conftest import random_prompts
 
 

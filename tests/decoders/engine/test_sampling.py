@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoders.engine.sampling import (
+from specdec.decoders.engine.sampling import (
     NonFiniteLogitsError,
     SamplingConfig,
     check_finite,

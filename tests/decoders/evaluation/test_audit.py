@@ -1,4 +1,4 @@
-"""The fidelity audit (python -m decoders.audit) end to end on tiny models, and its statistics."""
+"""The fidelity audit (python -m specdec.decoders.audit) end to end on tiny models, and its statistics."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from scipy import stats
 
-from decoders import Pipeline, SamplingConfig
-from decoders.cli.config import CONF_DIR
-from decoders.engine.draft import Acceptance
-from decoders.engine.registry import proposer_registry, register_verifier, verifier_registry
-from decoders.engine.verifier import Verifier
-from decoders.evaluation.audit import LossyVerifierError, reusing_prompts, run_audit
-from decoders.evaluation.audit_statistics import (
+from specdec.decoders import Pipeline, SamplingConfig
+from specdec.decoders.cli.config import CONF_DIR
+from specdec.decoders.engine.draft import Acceptance
+from specdec.decoders.engine.registry import proposer_registry, register_verifier, verifier_registry
+from specdec.decoders.engine.verifier import Verifier
+from specdec.decoders.evaluation.audit import LossyVerifierError, reusing_prompts, run_audit
+from specdec.decoders.evaluation.audit_statistics import (
     ChiSquare,
     combined_p_value,
     goodness_of_fit,
@@ -29,7 +29,7 @@ from decoders.evaluation.audit_statistics import (
     sequential_two_sample,
     two_sample,
 )
-from decoders.models.session import ModelSession
+from specdec.decoders.models.session import ModelSession
 from tests.bench_helpers import write_workload
 from tests.conftest import REPO_ROOT
 
@@ -69,10 +69,10 @@ def audit_config(tmp_path, *overrides: str):
 
 
 def test_audit_cli_on_an_enumerable_vocabulary(tmp_path):
-    """`python -m decoders.audit` writes audit.json with a passing verdict: greedy
+    """`python -m specdec.decoders.audit` writes audit.json with a passing verdict: greedy
     identity and the exact chi-square test of the first sampled tokens."""
     command = [
-        sys.executable, "-m", "decoders.audit",
+        sys.executable, "-m", "specdec.decoders.audit",
         "model=tiny-random", "model.vocab_size=8", "model.dtype=float64",
         "proposer=ngram", "verifier=rejection", "sampling.temperature=1.0",
         "audit.prompts=3", "audit.max_new_tokens=12", "audit.sampling_prompts=1", "audit.samples=80",

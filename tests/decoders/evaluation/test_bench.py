@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from decoders.evaluation import bench_results, contenders, scheduling
-from decoders.evaluation.metrics import Record, first_divergence, physical_limit, repeat_spread
+from specdec.decoders.evaluation import bench_results, contenders, scheduling
+from specdec.decoders.evaluation.metrics import Record, first_divergence, physical_limit, repeat_spread
 from tests.bench_helpers import run_bench, tiny_overrides, write_workload
 
 TOP_LEVEL = {
@@ -236,7 +236,7 @@ def test_default_pipelines_skip_the_ones_without_a_trained_artifact(tmp_path, mo
 
 
 def test_bench_pipelines_list_rejects_a_malformed_entry():
-    from decoders.evaluation.contenders import listed_pipeline
+    from specdec.decoders.evaluation.contenders import listed_pipeline
 
     for entry in ({"verifier": "greedy"}, 3):
         with pytest.raises(ValueError, match="bench.pipelines entry"):
@@ -246,9 +246,9 @@ def test_bench_pipelines_list_rejects_a_malformed_entry():
 def test_bench_pipelines_that_differ_by_options_get_names_of_their_own():
     """Results are kept by name: two unlabelled entries of one proposer with different
     options must not pool their records under "proposer+verifier"."""
-    from decoders.engine.pipeline import Pipeline
-    from decoders.evaluation.contenders import listed_pipeline, with_unique_names
-    from decoders.models.loading import ModelConfig, load_model
+    from specdec.decoders.engine.pipeline import Pipeline
+    from specdec.decoders.evaluation.contenders import listed_pipeline, with_unique_names
+    from specdec.decoders.models.loading import ModelConfig, load_model
 
     model_cfg = ModelConfig(name="tiny-random", dtype="float64")
     target, tokenizer = load_model(model_cfg)
@@ -269,7 +269,7 @@ def test_same_length_speedup_charges_each_pipeline_at_standard_decodings_lengths
     """A pipeline that decodes at standard decoding's rate but sampled a shorter answer
     loses on tokens per second (its prefill spread over fewer tokens), not at equal
     lengths; one that decodes twice as fast gains on both."""
-    from decoders.evaluation.metrics import pipeline_entry
+    from specdec.decoders.evaluation.metrics import pipeline_entry
 
     def record(prompt, tokens, wall, prefill=1.0, category="c"):
         return Record(prompt, category, 0, 0, tokens, wall, [], target_passes=1, prefill_time=prefill)
@@ -347,7 +347,7 @@ def test_slower_categories_name_each_one_and_mark_those_below_the_noise_band():
 def test_peer_selection():
     """bench.peers: true = the default peers (those that pay on the default target), all =
     every peer whose counterpart runs, a list = those named; unknown names are refused."""
-    from decoders.evaluation.peers import chosen_peers
+    from specdec.decoders.evaluation.peers import chosen_peers
 
     defaults = ["hf_generate", "hf_prompt_lookup"]
     assert chosen_peers(True, defaults) == defaults and chosen_peers("true", defaults) == defaults
@@ -363,7 +363,7 @@ def test_the_default_quickstart_leaves_out_what_cannot_pay():
     keeps both one override away (experiment=full_set)."""
     from hydra import compose, initialize_config_dir
 
-    import decoders.evaluation.bench_config  # noqa: F401  (stores bench=default, as the command line does)
+    import specdec.decoders.evaluation.bench_config  # noqa: F401  (stores bench=default, as the command line does)
     from tests.conftest import REPO_ROOT
 
     with initialize_config_dir(config_dir=f"{REPO_ROOT}/conf", version_base=None):
@@ -396,7 +396,7 @@ def test_the_table_warns_when_the_aa_twin_is_outside_three_percent(speedup, warn
 def test_bench_entries_name_presets_by_label(trained_pipeline):
     """A proposer's name runs its defaults, a preset label the variant its class declares;
     ``{preset: ...}`` keeps the preset and takes a label or round gate of its own."""
-    from decoders.evaluation.contenders import listed_pipeline
+    from specdec.decoders.evaluation.contenders import listed_pipeline
 
     chain = listed_pipeline(trained_pipeline, "copy_heads_chain", None)
     assert chain.name == "copy_heads_chain" and chain.proposer.name == "copy_heads"

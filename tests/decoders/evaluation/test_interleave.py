@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from decoders.engine import decoding as decoding_module
-from decoders.engine.sampling import SamplingConfig
-from decoders.evaluation.metrics import Record
-from decoders.evaluation.scheduling import in_step
+from specdec.decoders.engine import decoding as decoding_module
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.evaluation.metrics import Record
+from specdec.decoders.evaluation.scheduling import in_step
 from tests.conftest import random_prompts
 
 PIPELINES = [
@@ -163,7 +163,7 @@ def test_a_finished_request_refuses_another_round(tiny_pipeline):
 
 def test_record_type_is_what_the_benchmark_keeps(tiny_pipeline):
     """The benchmark's stepping gives the same Record fields as its run()."""
-    from decoders.evaluation.contenders import pipeline_contender
+    from specdec.decoders.evaluation.contenders import pipeline_contender
 
     contender = pipeline_contender(tiny_pipeline)
     prompt = random_prompts(1)[0]

@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
-from decoders.evaluation.replay import (
+from specdec.decoders.evaluation.replay import (
     Reference,
     ReplaySession,
     projected_record,
     replay_pipeline,
     standard_records,
 )
-from decoders.models.cost import CostCurve
-from decoders.models.session import ModelSession
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.models.session import ModelSession
 from tests.bench_helpers import run_bench, tiny_overrides, write_workload
 from tests.conftest import random_prompts
 
@@ -169,7 +169,7 @@ def test_replay_refuses_proposers_that_read_the_target_layers(tiny_pipeline):
 def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
     """bench (two turns), then replay of its run: the same pipelines and outputs, tau as
     measured (a deterministic proposer), times projected from a given T(n), the oracle."""
-    from decoders import replay
+    from specdec.decoders import replay
 
     workload = write_workload(tmp_path)
     run_dir = tmp_path / "run"
@@ -183,7 +183,7 @@ def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
     curve_file.write_text(json.dumps({"seconds": {"1": 0.02, "16": 0.021}}))
     out = tmp_path / "replay.json"
     argv = [
-        "decoders.replay",
+        "specdec.decoders.replay",
         "oracle=true",
         f"run={run_dir}",
         f"cost_curve={curve_file}",
@@ -211,7 +211,7 @@ def test_replay_cli_replays_a_bench_run(tmp_path, monkeypatch, capsys):
 
 
 def test_replay_cli_refuses_a_sampled_run(tmp_path, monkeypatch, capsys):
-    from decoders import replay
+    from specdec.decoders import replay
 
     workload = write_workload(tmp_path)
     run_dir = tmp_path / "run"
@@ -219,7 +219,9 @@ def test_replay_cli_refuses_a_sampled_run(tmp_path, monkeypatch, capsys):
         monkeypatch,
         tiny_overrides(workload, f"hydra.run.dir={run_dir}", "proposer=ngram", "sampling.temperature=1.0"),
     )
-    monkeypatch.setattr(sys, "argv", ["decoders.replay", f"run={run_dir}", f"hydra.run.dir={tmp_path / 'r'}"])
+    monkeypatch.setattr(
+        sys, "argv", ["specdec.decoders.replay", f"run={run_dir}", f"hydra.run.dir={tmp_path / 'r'}"]
+    )
     with pytest.raises(SystemExit) as exit:
         replay.main()
     assert exit.value.code == 2

@@ -6,8 +6,8 @@ import csv
 import json
 from pathlib import Path
 
-from decoders import report
-from decoders.evaluation import report as sweep_report
+from specdec.decoders import report
+from specdec.decoders.evaluation import report as sweep_report
 from tests.bench_helpers import run_bench, tiny_overrides, write_workload
 
 

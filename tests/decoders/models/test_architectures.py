@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoders import Pipeline
-from decoders.engine.sampling import SamplingConfig
-from decoders.models.architecture import UnsupportedArchitectureError
-from decoders.models.loading import byte_tokenizer
+from specdec.decoders import Pipeline
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.loading import byte_tokenizer
 from tests.architectures import ARCHITECTURES, WINDOW, Architecture
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target
 
@@ -125,7 +125,7 @@ def test_sampling_distribution_on_every_attention_family(arch, pipeline):
 def test_a_recurrent_cache_is_refused_when_the_session_is_built():
     """A model with a layer whose cache cannot be cut back (a linear-attention state) is
     refused in one line naming the model and the layer, before anything runs."""
-    from decoders.models.session import ModelSession
+    from specdec.decoders.models.session import ModelSession
 
     model = ARCHITECTURES[0].build(0)
     model.config.layer_types = ["full_attention", "linear_attention"]
@@ -154,7 +154,7 @@ def test_alibi_without_per_key_positions_refuses_trees_and_runs_chains():
 def test_exact_mode_refuses_what_it_cannot_make_bit_identical(model_type):
     """model.exact=true on an architecture whose passes exact mode cannot route (GPT-2's Conv1D
     projections; a sliding window) is refused in one line."""
-    from decoders.models.loading import ModelConfig, prepare_model
+    from specdec.decoders.models.loading import ModelConfig, prepare_model
 
     arch = next(a for a in ARCHITECTURES if a.id == model_type)
     with pytest.raises(
@@ -174,8 +174,8 @@ def test_early_exit_refuses_a_decoder_it_cannot_split():
 def test_exact_auto_goes_off_where_the_check_fails(monkeypatch, capsys):
     """model.exact=auto (on for bfloat16 on CPU) switches exact mode off, saying why, where
     the start-up check finds the rows not bit-identical on this machine or architecture."""
-    from decoders.models import invariance
-    from decoders.models.loading import ModelConfig, load_model
+    from specdec.decoders.models import invariance
+    from specdec.decoders.models.loading import ModelConfig, load_model
 
     failing = invariance.InvarianceReport(0, 5, 0, 6, max_difference=1e-3)
     monkeypatch.setattr(invariance, "check_pass_invariance", lambda model: failing)
@@ -197,8 +197,8 @@ def test_tree_masks_apply_each_layer_types_window():
     """A tree after 6 cached positions, nodes at the positions of their depth: a sliding
     layer (window 3) sees keys less than 3 positions back, a chunked one (chunks of 4) keys
     in the node's chunk, a full one every ancestor and the whole prefix."""
-    from decoders.models.architecture import AttentionPattern
-    from decoders.models.session import tree_attention_masks
+    from specdec.decoders.models.architecture import AttentionPattern
+    from specdec.decoders.models.session import tree_attention_masks
 
     parents = [-1, 0, 0, 1]  # positions 6, 7, 7, 8
     patterns = [

@@ -9,12 +9,12 @@ from collections import Counter
 
 import pytest
 
-from decoders import Pipeline
-from decoders.models import cost
-from decoders.models.cost import COST_CURVE_ENV, cached_cost_curve
-from decoders.models.loading import ModelConfig, load_model
-from decoders.models.target import Target
-from decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders import Pipeline
+from specdec.decoders.models import cost
+from specdec.decoders.models.cost import COST_CURVE_ENV, cached_cost_curve
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.decoders.models.target import Target
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
 from tests.conftest import random_prompts
 
 
@@ -200,7 +200,7 @@ def test_a_context_read_changes_the_version_only_when_its_step_changes():
 def test_the_sizing_sends_smaller_drafts_after_long_contexts():
     """The same acceptance estimates: 12 nodes after a short prompt, fewer after 1,024
     tokens, fewer still after 2,048 (PassSeconds re-reads the curve at each context)."""
-    from decoders.sizing.search import PassSeconds, best_size
+    from specdec.decoders.sizing.search import PassSeconds, best_size
 
     curve = _context_curve()
     seconds = PassSeconds(lambda: curve, 16)

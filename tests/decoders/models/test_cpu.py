@@ -9,10 +9,15 @@ import sys
 import pytest
 import torch
 
-from decoders.models import cpu
-from decoders.models.kernels import PackedProduct, linear_route, route_narrow_linears, wants_narrow_routing
-from decoders.models.loading import ModelConfig, load_model, resolve_dtype
-from decoders.models.session import ModelSession
+from specdec.decoders.models import cpu
+from specdec.decoders.models.kernels import (
+    PackedProduct,
+    linear_route,
+    route_narrow_linears,
+    wants_narrow_routing,
+)
+from specdec.decoders.models.loading import ModelConfig, load_model, resolve_dtype
+from specdec.decoders.models.session import ModelSession
 from tests.conftest import REPO_ROOT, requires_cpu
 
 
@@ -91,7 +96,7 @@ def test_generate_in_bfloat16_on_a_cpu_without_it(tmp_path):
     import os
 
     done = subprocess.run(
-        [sys.executable, "-m", "decoders.generate", "model=tiny-random", "model.dtype=bfloat16",
+        [sys.executable, "-m", "specdec.decoders.generate", "model=tiny-random", "model.dtype=bfloat16",
          "prompt=hello hello hello", "proposer=ngram", "max_new_tokens=16"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": REPO_ROOT, cpu.ABSENT_ENV: "all", "OMP_NUM_THREADS": "1"},

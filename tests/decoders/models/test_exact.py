@@ -9,16 +9,16 @@ import os
 import pytest
 import torch
 
-from decoders import Pipeline
-from decoders.engine.registry import proposer_registry
-from decoders.evaluation.audit import decided_rows
-from decoders.evaluation.workloads import WorkloadConfig, load_workload
-from decoders.models import exact_attention
-from decoders.models.invariance import check_pass_invariance
-from decoders.models.kernels import linear_route, route_narrow_linears, wants_exact
-from decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
-from decoders.models.session import ModelSession
-from decoders.models.target import Target
+from specdec.decoders import Pipeline
+from specdec.decoders.engine.registry import proposer_registry
+from specdec.decoders.evaluation.audit import decided_rows
+from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
+from specdec.decoders.models import exact_attention
+from specdec.decoders.models.invariance import check_pass_invariance
+from specdec.decoders.models.kernels import linear_route, route_narrow_linears, wants_exact
+from specdec.decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.models.target import Target
 from tests.conftest import cpu_for, lossless_verifiers, pipeline_or_skip, random_prompts, split_dtype
 
 DTYPES = ["float64", "float32", "bfloat16", "bfloat16-avx2"]  # -avx2: on F.linear, as without oneDNN bf16
@@ -245,7 +245,7 @@ def test_audit_reports_bit_identical(tmp_path, drafting_pays, exact):
     """float32 tiny model: bit-identical decisive logits with exact mode; without it
     the tokens still agree (ties are rare) but the logits do not: the narrow route
     computes single rows (gemv) and passes of several (gemm) with different sums."""
-    from decoders.evaluation.audit import run_audit
+    from specdec.decoders.evaluation.audit import run_audit
     from tests.decoders.evaluation.test_audit import audit_config
 
     cfg = audit_config(

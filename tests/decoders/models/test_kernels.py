@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from decoders.models.kernels import (
+from specdec.decoders.models.kernels import (
     PACKED_FROM,
     linear_route,
     packed_route_available,
     route_narrow_linears,
     wants_narrow_routing,
 )
-from decoders.models.loading import ModelConfig, load_model
-from decoders.models.session import ModelSession
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.decoders.models.session import ModelSession
 from tests.conftest import requires_cpu
 
 
@@ -87,7 +87,7 @@ def test_packed_route_can_be_left_off():
 
 
 def test_padding_widths():
-    from decoders.models.kernels import padded_rows
+    from specdec.decoders.models.kernels import padded_rows
 
     assert [padded_rows(n) for n in range(1, 11)] == [2, 2, 4, 4, 5, 8, 8, 8, 16, 16]
     assert padded_rows(17) == 24 and padded_rows(48) == 48
@@ -128,8 +128,8 @@ def test_last_only_prefill_returns_the_last_row():
 
 def test_packed_attention_matches_sdpa_on_chains_and_trees():
     """GQA model (4 query heads over 2 key/value heads), chain and tree masks."""
-    from decoders.models.loading import tiny_random_model
-    from decoders.models.target import Target
+    from specdec.decoders.models.loading import tiny_random_model
+    from specdec.decoders.models.target import Target
 
     def gqa_model():
         model = tiny_random_model(320, 64, 2, seed=3)

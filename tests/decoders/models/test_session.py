@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from decoders.models.loading import tiny_random_model
-from decoders.models.session import ModelSession, tree_attention_mask
+from specdec.decoders.models.loading import tiny_random_model
+from specdec.decoders.models.session import ModelSession, tree_attention_mask
 
 VOCAB = 40
 TIGHT = {"rtol": 0.0, "atol": 1e-10}  # float64: only summation-order rounding differs
@@ -196,7 +196,7 @@ def test_growing_cache_matches_transformers_cache_through_rounds(model):
     past its first buffer's capacity; a cut is written over in place, not reallocated."""
     from transformers import DynamicCache
 
-    from decoders.models.kv_cache import MIN_CAPACITY, GrowingLayer
+    from specdec.decoders.models.kv_cache import MIN_CAPACITY, GrowingLayer
 
     growing, plain = ModelSession(model), ModelSession(model)
     plain.cache = DynamicCache(config=model.config)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from decoders.models.cost import CostCurve
-from decoders.models.kernels import RoutedLinear, linear_route
-from decoders.models.loading import tiny_random_model
-from decoders.models.target import Target, as_target
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.models.kernels import RoutedLinear, linear_route
+from specdec.decoders.models.loading import tiny_random_model
+from specdec.decoders.models.target import Target, as_target
 
 
 def module_snapshot(model: torch.nn.Module) -> dict:

@@ -1,7 +1,7 @@
 """The draft-length policy: drafts what pays under the cost curve, nothing when nothing is accepted."""
 
-from decoders.models.cost import CostCurve
-from decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
 
 
 def curve(per_extra_token: float) -> CostCurve:

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from decoders.engine.draft import Draft
-from decoders.models.cost import CostCurve
-from decoders.sizing.acceptance import AcceptanceStats
-from decoders.sizing.dynamic_tree import DynamicTree, grow
+from specdec.decoders.engine.draft import Draft
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.acceptance import AcceptanceStats
+from specdec.decoders.sizing.dynamic_tree import DynamicTree, grow
 
 VOCAB = 6
 

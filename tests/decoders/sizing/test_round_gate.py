@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from decoders.engine import decoding as decoding_module
-from decoders.engine.draft import Draft
-from decoders.engine.proposer import Proposer
-from decoders.engine.sampling import SamplingConfig
-from decoders.models.cost import CostCurve
-from decoders.sizing.round_gate import AFTER_ACCEPT, AFTER_MISS, RoundGate
+from specdec.decoders.engine import decoding as decoding_module
+from specdec.decoders.engine.draft import Draft
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.sampling import SamplingConfig
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.round_gate import AFTER_ACCEPT, AFTER_MISS, RoundGate
 from tests.conftest import random_prompts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target
 from tests.train.test_train import train_tiny_medusa
@@ -153,7 +153,7 @@ def test_pipelines_are_gated_only_when_asked(tiny_pipeline):
         is None
     )
     # a bench entry's own round_gate wins over the run's
-    from decoders.evaluation.contenders import listed_pipeline, pipeline_contender
+    from specdec.decoders.evaluation.contenders import listed_pipeline, pipeline_contender
 
     entry = listed_pipeline(tiny_pipeline, {"proposer": "ngram", "round_gate": True}, None)
     assert entry.gate is not None and listed_pipeline(gated, {"proposer": "ngram"}, None).gate is not None
@@ -229,7 +229,7 @@ def pointer_artifacts(tmp_path_factory):
 def test_copy_heads_take_in_the_rounds_kept_plain(drafting_pays, tiny_model, tiny_config, pointer_artifacts):
     """Copy heads keep a memory of every committed position: rounds kept plain go into it
     too (``skip``), so it stays the committed text and the output standard decoding's."""
-    from decoders import Pipeline
+    from specdec.decoders import Pipeline
 
     model, tokenizer = tiny_model
     base = Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=pointer_artifacts)

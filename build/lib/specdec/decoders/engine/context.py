@@ -1,0 +1,93 @@
+"""What proposers and verifiers may know about the pipeline they serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specdec.decoders.models.cost import CostCurve, fixed_by_environment
+from specdec.decoders.models.loading import ModelConfig, cache_dir
+from specdec.decoders.models.target import Target, as_target
+
+# Trained drafters of the default target, shipped as package data (only what differs
+# from the target is stored); a user's own artifact of the same drafter wins.
+SHIPPED_ARTIFACTS = Path(__file__).resolve().parents[2] / "proposers" / "shipped"
+
+
+@dataclass
+class PipelineContext:
+    target: Target  # the target's passes, parts and cost: what a proposer may use of it
+    tokenizer: PreTrainedTokenizerBase | None
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    artifacts_dir: Path = field(default_factory=lambda: Path("artifacts"))
+    fixed_cost_curve: CostCurve | None = None  # given: used instead of the measured T(n)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, torch.nn.Module):  # a bare module runs its passes as they are
+            self.target = as_target(self.target)
+
+    @property
+    def target_key(self) -> str:
+        """Names the target in artifact paths and caches."""
+        cfg = self.model_config
+        if cfg.name == "tiny-random":
+            return f"tiny-random-v{cfg.vocab_size}-h{cfg.hidden_size}-l{cfg.num_layers}-s{cfg.seed}"
+        if cfg.name_or_path:
+            return Path(cfg.name_or_path.rstrip("/")).name or cfg.name_or_path.replace("/", "--")
+        return cfg.name
+
+    def own_artifact_path(self, drafter: str, *parts: str) -> Path:
+        """Where training writes drafter ``drafter`` for this target (the artifacts dir)."""
+        return self.artifacts_dir.joinpath(self.target_key, drafter, *parts)
+
+    def artifact_path(self, drafter: str, *parts: str) -> Path:
+        """Where proposers read drafter ``drafter`` for this target: the artifacts dir
+        if it has one, else the copy shipped with the project, else the artifacts dir
+        (whose path the missing-artifact error then names)."""
+        own = self.own_artifact_path(drafter, *parts)
+        shipped = SHIPPED_ARTIFACTS.joinpath(self.target_key, drafter, *parts)
+        return shipped if not own.exists() and shipped.exists() else own
+
+    def train_command(self, drafter: str, output: str | None = None) -> str:
+        """The command line that trains ``drafter`` for this target (into ``output`` if
+        given): what a missing-artifact error tells the user to run."""
+        model = self.model_config
+        parts = [f"python -m specdec.train drafter={drafter}", f"model={model.name}"]
+        if model.name_or_path:
+            parts.append(f"model.name_or_path={model.name_or_path}")
+        if model.name == "tiny-random":
+            parts += [
+                f"model.vocab_size={model.vocab_size}",
+                f"model.hidden_size={model.hidden_size}",
+                f"model.num_layers={model.num_layers}",
+                f"model.seed={model.seed}",
+            ]
+        if str(self.artifacts_dir) != "artifacts":
+            parts.append(f"artifacts_dir={self.artifacts_dir}")
+        if output:
+            parts.append(f"train.output={output}")
+        return " ".join(parts)
+
+    @property
+    def cost_cache_dir(self) -> Path:
+        return cache_dir() / "costs"
+
+    def cost_curve(self) -> CostCurve:
+        """The target's T(n): the fixed curve if one was given, else from the shared
+        cache (measured there on first use), followed live by the passes the decode
+        loop times (``model.live_cost``; :meth:`specdec.decoders.models.target.Target.pass_times`)."""
+        if self.fixed_cost_curve is not None:
+            return self.fixed_cost_curve
+        curve = self.target.cost_curve(self.target_key, self.cost_cache_dir)
+        if not self.model_config.live_cost or fixed_by_environment():
+            return curve
+        return self.target.pass_times(curve).curve
+
+
+def artifact_source(directory: Path) -> dict:
+    """For results files: which artifact a pipeline ran, and whether it was shipped."""
+    directory = Path(directory).resolve()
+    return {"path": str(directory), "shipped": directory.is_relative_to(SHIPPED_ARTIFACTS)}

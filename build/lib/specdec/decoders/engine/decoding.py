@@ -1,0 +1,383 @@
+"""The decode loop: standard decoding and speculative decoding are one loop.
+
+    prefill(prompt)                       -> the target chooses the first token
+    loop until EOS / stop string / max_new_tokens:
+        draft  = proposer.propose(state)  (empty without a proposer)
+        logits = target.forward([pending] + draft)    ONE pass, tree mask if needed
+        result = verifier.verify(draft, logits)       accepted path + 1 target token
+        target.keep(accepted)             rejected nodes' KV entries dropped
+        proposer.observe(state, round)    the proposer's own draft, its accepted path in
+                                          the draft's numbering, draft and verify seconds
+
+Under a constraint (:mod:`specdec.decoders.engine.constraint`) the draft is cut where the
+grammar rejects it and extended by the tokens it forces, and every row of the pass is
+masked with the grammar's state there before the verifier reads it.
+
+With no proposer every round verifies an empty draft, i.e. emits one target
+token per pass: that is standard decoding, the baseline. With a round gate
+(:mod:`specdec.decoders.sizing.round_gate`) a round may skip drafting where earlier rounds
+say drafting does not pay: it is then a standard decoding step, and the proposer
+is told (``proposer.skip(state)``) instead of asked.
+
+:class:`Decoding` is that loop a round at a time (the benchmark steps several
+requests in turn); :func:`decode` runs one to the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specdec.decoders.engine.constraint import GrammarState
+from specdec.decoders.engine.draft import Acceptance, Draft, Round
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.registry import build, verifier_registry
+from specdec.decoders.engine.sampling import SamplingConfig, check_finite, next_token
+from specdec.decoders.engine.state import DecodeState
+from specdec.decoders.engine.verifier import Verifier
+from specdec.decoders.models.session import ModelSession
+
+
+class RoundGate(Protocol):
+    """What the loop asks of a round gate (the one built in is
+    :class:`specdec.decoders.sizing.round_gate.RoundGate`, a layer above the engine)."""
+
+    def begin(self) -> None: ...  # a request starts
+
+    def drafts(self) -> bool: ...  # whether this round drafts
+
+    def record(self, draft_seconds: float, verify_seconds: float, emitted: int, accepted: int) -> None: ...
+
+    def forget(self) -> None: ...  # drop what was measured (the benchmark's warm-up)
+
+    def describe(self) -> dict: ...  # for results files
+
+
+@dataclass
+class GenerationStats:
+    """Counters for one request. Times are wall seconds."""
+
+    new_tokens: int = 0
+    target_passes: int = 0  # decode-phase target passes (rounds), prefill excluded
+    proposed: int = 0  # draft tokens the target verified
+    accepted: int = 0  # of those, accepted
+    prefill_time: float = 0.0
+    draft_time: float = 0.0  # the proposer's work: propose and observe (pruning included)
+    observe_time: float = 0.0  # of draft_time, the part spent in observe
+    verify_time: float = 0.0
+    wall_time: float = 0.0
+    gated_rounds: int = 0  # rounds the round gate kept plain (no drafting)
+    draft_sizes: list[int] = field(default_factory=list)  # per round
+    emitted_per_round: list[int] = field(default_factory=list)
+    # under a constraint: whether the output is a complete sentence of the grammar (None: none)
+    constraint_complete: bool | None = None
+    grammar_time: float = 0.0  # of the above, seconds llguidance spent computing masks
+    grammar_masks: int = 0  # masks it computed (one per row of a pass, one per pruned parent)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """tau: tokens emitted per decode-phase target pass, bonus token included."""
+        return sum(self.emitted_per_round) / max(self.target_passes, 1)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_passes": self.target_passes,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "gated_rounds": self.gated_rounds,
+            "tokens_per_s": self.tokens_per_s,
+            "prefill_time": self.prefill_time,
+            "draft_time": self.draft_time,
+            "observe_time": self.observe_time,
+            "verify_time": self.verify_time,
+            "wall_time": self.wall_time,
+            "constraint_complete": self.constraint_complete,
+        }
+
+
+@dataclass
+class StopConditions:
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    tokenizer: object | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the output")
+
+    def cut(self, output: list[int], new: list[int]) -> tuple[list[int], bool]:
+        """The part of ``new`` to emit after ``output``, and whether generation ends."""
+        budget = self.max_new_tokens - len(output)
+        done = len(new) >= budget
+        new = new[:budget]
+        for i, token in enumerate(new):
+            if token in self.eos_token_ids:
+                return new[: i + 1], True
+        if self.stop_strings:
+            for i in range(len(new)):
+                if self._ends_in_stop(output + new[: i + 1]):
+                    return new[: i + 1], True
+        return new, done
+
+    def _ends_in_stop(self, tokens: list[int]) -> bool:
+        window = max(len(s) for s in self.stop_strings) + 1  # a token is at least one character
+        text = self.tokenizer.decode(tokens[-window:])  # type: ignore[union-attr]
+        return any(stop in text for stop in self.stop_strings)
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[int]  # generated tokens (prompt excluded)
+    stats: GenerationStats
+
+
+def default_verifier(sampling: SamplingConfig, trees: bool = False) -> str:
+    """The verifier used where none is configured, the one place it is chosen: ``tree``
+    for a proposer whose drafts are trees (on a model that takes tree passes); else greedy
+    at temperature 0, rejection sampling otherwise (all lossless)."""
+    if trees:
+        return "tree"
+    return "greedy" if sampling.greedy else "rejection"
+
+
+def standard_verifier(sampling: SamplingConfig) -> Verifier:
+    """The verifier standard decoding uses on its empty drafts: it just picks the
+    target's token (argmax, or a sample from the processed distribution)."""
+    return build(verifier_registry, default_verifier(sampling))
+
+
+def decode(
+    target: ModelSession,
+    prompt_ids: list[int],
+    stop: StopConditions,
+    sampling: SamplingConfig,
+    proposer: Proposer | None = None,
+    verifier: Verifier | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    gate: RoundGate | None = None,
+    grammar: GrammarState | None = None,
+) -> GenerationOutput:
+    """Generate after ``prompt_ids``: standard decoding without a proposer, else speculative
+    (every round drafted, or as ``gate`` decides); under ``grammar``'s constraint if given."""
+    decoding = Decoding(target, prompt_ids, stop, sampling, proposer, verifier, on_tokens, gate, grammar)
+    while not decoding.done:
+        decoding.step()
+    return decoding.output()
+
+
+class Decoding:
+    """One request being decoded, a round at a time: :func:`decode` runs it to the end;
+    the benchmark steps several of them in turn (``bench.interleave=rounds``), each on a
+    session of its own, so that they see the machine's load alike.
+
+    Construction checks the request and runs the prefill (the target chooses the first
+    token); :meth:`step` runs one round; :meth:`output` finishes the request. The
+    stats' ``wall_time`` is the time spent in this request's own calls only, not in
+    whatever ran between its rounds."""
+
+    def __init__(
+        self,
+        target: ModelSession,
+        prompt_ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingConfig,
+        proposer: Proposer | None = None,
+        verifier: Verifier | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        gate: RoundGate | None = None,
+        grammar: GrammarState | None = None,
+    ) -> None:
+        if proposer is not None and verifier is None:
+            raise ValueError("a proposer needs a verifier")
+        if verifier is None:
+            verifier = standard_verifier(sampling)
+        verifier.check(sampling)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if target.max_positions and len(prompt_ids) + stop.max_new_tokens > target.max_positions:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({stop.max_new_tokens}) exceeds "
+                f"the model's context of {target.max_positions} tokens; shorten the prompt or lower "
+                "max_new_tokens."
+            )
+        self.target, self.stop, self.sampling = target, stop, sampling
+        self.proposer, self.verifier, self.on_tokens = proposer, verifier, on_tokens
+        self.grammar = grammar
+        if gate is not None and proposer is not None and proposer.drafts_in_target:
+            raise ValueError(
+                f"proposer {proposer.name!r} drafts inside the target and sizes its drafts itself; "
+                "it cannot be gated (build its pipeline with round_gate=False)"
+            )
+        self.gate = gate if proposer is not None else None
+        self.stats = GenerationStats()
+        self.finished = False  # output() has told the proposer
+        self.generator = sampling.generator(target.device)
+        start = time.perf_counter()
+
+        target.reset()
+        logits = target.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
+        check_finite(logits, "prefill")
+        if grammar is not None:
+            logits = grammar.constrain(Draft.empty(), logits[None])[0]
+        first = next_token(logits, sampling, self.generator)
+        self.stats.prefill_time = time.perf_counter() - start
+        self.tokens, self.done = stop.cut([], [first])  # the generated tokens (prompt excluded)
+        if grammar is not None:
+            grammar.advance(self.tokens)
+        if on_tokens:
+            on_tokens(self.tokens)
+        self.state = DecodeState(
+            list(prompt_ids) + self.tokens, len(prompt_ids), sampling, self.generator, target.hidden
+        )
+        if proposer is not None:
+            if proposer.drafts_in_target:
+                self.state.session = target
+        self.state.grammar = grammar
+        if proposer is not None:
+            proposer.begin(self.state)
+            if self.gate is not None:
+                self.gate.begin()
+        # A live cost curve learns from the passes; not from those that reuse drafting work.
+        self.timed = proposer is None or not proposer.drafts_in_target
+        # Exact mode keeps a pass's rows exact up to a width; wider drafts are cut to fit.
+        owner = getattr(target, "target", None)  # the Target whose passes these are (None: a bare session)
+        self.widest = owner.widest_exact_pass if owner is not None else None
+        self.stats.wall_time += time.perf_counter() - start
+
+    def _pass_times(self):
+        """The target's live pass times, once some pipeline over it follows its live cost."""
+        owner = getattr(self.target, "target", None)
+        return owner.pass_times() if owner is not None else None
+
+    @property
+    def progress(self) -> float:
+        """The share of ``max_new_tokens`` generated so far (1.0 once done)."""
+        return 1.0 if self.done else len(self.tokens) / self.stop.max_new_tokens
+
+    def step(self) -> None:
+        """One round: draft, one target pass over the pending token and the draft,
+        verify, keep the accepted path, tell the proposer."""
+        if self.done:
+            raise RuntimeError("this request is finished")
+        target, proposer, verifier, state, stats = (
+            self.target, self.proposer, self.verifier, self.state, self.stats
+        )  # fmt: skip
+        output = self.tokens
+        tick = time.perf_counter()
+        timing = self._pass_times()
+        if timing is not None:  # the sizing reads T(n) after this many tokens
+            timing.at_context(len(target))
+        drafting = proposer is not None and (self.gate is None or self.gate.drafts())
+        if drafting:
+            proposed = proposer.propose(state)  # type: ignore[union-attr]
+        else:
+            if proposer is not None:  # a round the gate keeps plain
+                proposer.skip(state)
+                stats.gated_rounds += 1
+            proposed = Draft.empty()
+        draft = proposed
+        if self.grammar is not None and drafting:  # no node the grammar rejects; its forced tokens added
+            draft = self.grammar.prune(draft)
+            draft = self.grammar.extend_forced(draft, self.grammar.constraint.forced_per_leaf)
+        # Tokens past max_new_tokens would be thrown away: don't draft them.
+        budget = self.stop.max_new_tokens - len(output)
+        draft = draft.truncated(budget - 1)
+        if self.widest is not None:
+            draft = draft.limited(self.widest - 1)
+        draft = verifier.prepare(draft)
+        tock = time.perf_counter()
+
+        block_start = len(target)
+        parents = None if draft.is_chain else [-1] + [p + 1 for p in draft.parents]
+        block = [state.tokens[-1]] + draft.tokens
+        if not drafting:
+            target_logits = target.forward(block, parents)  # (n + 1, vocab)
+        else:  # the proposer may reuse work done while drafting (default: target.forward)
+            target_logits = proposer.verify_forward(target, block, parents)
+        check_finite(target_logits, "target's verification pass")
+        if self.grammar is not None:  # the constrained target: forbidden tokens at -inf, row by row
+            target_logits = self.grammar.constrain(draft, target_logits)
+        acceptance: Acceptance = verifier.verify(draft, target_logits, self.sampling, self.generator)
+        state.committed_rows = [0] + [node + 1 for node in acceptance.path]
+        target.keep(block_start, state.committed_rows)
+        state.hidden = target.hidden
+        state.hidden_row = state.committed_rows[-1]
+        verified = time.perf_counter()
+
+        new, self.done = self.stop.cut(output, acceptance.tokens)
+        output.extend(new)
+        state.tokens.extend(new)
+        if self.grammar is not None:
+            self.grammar.advance(new)
+        stats.target_passes += 1
+        stats.proposed += len(draft)
+        stats.accepted += acceptance.num_accepted
+        stats.draft_sizes.append(len(draft))
+        stats.emitted_per_round.append(len(new))
+        stats.verify_time += verified - tock
+        stats.draft_time += tock - tick
+        # timing starts when the first sizer reads T(n)
+        if self.timed and (timing := timing or self._pass_times()) is not None:
+            timing.at_context(block_start)  # (a sizer may have started the timing in this round)
+            timing.record(len(block), verified - tock)
+        if self.on_tokens:
+            self.on_tokens(new)
+        observe_seconds = 0.0
+        if drafting and not self.done:
+            observing = time.perf_counter()
+            proposer.observe(state, _round(proposed, draft, acceptance, tock - tick, verified - tock))  # type: ignore[union-attr]
+            observe_seconds = time.perf_counter() - observing
+            stats.observe_time += observe_seconds
+            stats.draft_time += observe_seconds
+        if drafting and self.gate is not None:
+            self.gate.record(
+                tock - tick + observe_seconds, verified - tock, len(new), acceptance.num_accepted
+            )
+        stats.wall_time += time.perf_counter() - tick
+
+    def output(self) -> GenerationOutput:
+        """The generated tokens and the stats, once done (the proposer is told it ended)."""
+        if not self.done:
+            raise RuntimeError("this request is not finished: step() it until done")
+        if self.proposer is not None and not self.finished:
+            start = time.perf_counter()
+            self.proposer.finish(self.state)
+            self.stats.wall_time += time.perf_counter() - start
+        self.finished = True
+        self.stats.new_tokens = len(self.tokens)
+        if self.grammar is not None:
+            self.stats.constraint_complete = self.grammar.complete
+            self.stats.grammar_time = self.grammar.mask_seconds
+            self.stats.grammar_masks = self.grammar.masks_computed
+        return GenerationOutput(self.tokens, self.stats)
+
+
+def _round(
+    proposed: Draft, verified: Draft, acceptance: Acceptance, draft_seconds: float, verify_seconds: float
+) -> Round:
+    """The round in the proposer's numbering: ``verified`` is ``proposed`` after the
+    engine's and the verifier's pruning, and the verdict's path is in its numbering."""
+    nodes = verified.nodes_in(proposed)
+    path: list[int] = []
+    for node in acceptance.path:
+        if nodes[node] is None:  # a node the verifier added: the proposer's path ends before it
+            break
+        path.append(nodes[node])
+    seen = [node for node in nodes if node is not None]
+    return Round(proposed, path, seen, acceptance.tokens, draft_seconds, verify_seconds)

@@ -1,0 +1,198 @@
+"""The Proposer contract: who guesses the next tokens.
+
+A proposer is built once per pipeline from its ``Config`` and a
+:class:`~specdec.decoders.engine.context.PipelineContext` (target model, tokenizer, model
+config), then serves one request at a time:
+
+    begin(state)      a new request starts (prompt known, nothing generated)
+    propose(state)    return a Draft: tokens as a tree, optionally with draft_probs
+    skip(state)       instead of propose, in a round the round gate keeps plain
+                      (decoders/sizing/round_gate.py): no draft, not observed
+    observe(state, round)
+                      the round's outcome (:class:`~specdec.decoders.engine.draft.Round`): the
+                      proposer's own draft, its accepted path in that draft's
+                      numbering, the engine's draft and verify seconds; sync any
+                      private state (its time counts as drafting time)
+    finish(state)     the request is done (its tokens are final)
+
+``state`` is the :class:`~specdec.decoders.engine.state.DecodeState` of the request: its
+tokens and the target's final hidden states of the last pass. The target itself is
+``context.target`` (:class:`specdec.decoders.models.target.Target`): a proposer that needs
+its intermediate layers asks it for a tap (``context.target.tap(layers)``, EAGLE);
+one that drafts with the target's own layers says so (``drafts_in_target``) and is
+given the session. A proposer decides its draft's shape from its own config, never
+from the verifier.
+
+A proposer class is also its own declaration (one table per proposer, read by the
+registry, the trainer CLI and the bench):
+
+    Config            its options; the defaults are its best measured configuration
+    artifact          the drafter it reads from the artifacts directory (None: none)
+    trainer           the module that trains that drafter (``Config``, ``train(job)``),
+                      run as ``python -m specdec.train drafter=<artifact>``
+    presets           named variants (:class:`Preset`) bench lists refer to by label
+    drafts_trees      whether its drafts, as configured, are trees (then its pipeline's
+                      default verifier is ``tree``)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.sampling import processed_probs, sample
+
+if TYPE_CHECKING:
+    from specdec.decoders.engine.context import PipelineContext
+    from specdec.decoders.engine.state import DecodeState
+    from specdec.decoders.models.session import ModelSession
+
+
+class NeedsTokenizer(ValueError):
+    """A proposer that works on text was built for a model without a tokenizer."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named variant of a proposer: the options it sets over the proposer's defaults and
+    the verifier it runs with (None: the pipeline's default for its drafts). A bench list
+    names it by ``label`` (``bench.pipelines=[copy_heads_chain]``); labels start with
+    their proposer's registered name."""
+
+    label: str
+    options: dict[str, Any] = field(default_factory=dict)
+    verifier: str | None = None
+
+
+class Proposer:
+    name: ClassVar[str]
+    artifact: ClassVar[str | None] = None
+    trainer: ClassVar[str | None] = None
+    presets: ClassVar[tuple[Preset, ...]] = ()
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, config: Proposer.Config, context: PipelineContext) -> None:
+        self.config = config
+        self.context = context
+
+    @property
+    def sampled(self) -> bool:
+        """True if this proposer, as configured, draws its tokens from the draft_probs
+        it returns when sampling; False if it chooses them deterministically
+        (draft_probs None). A property of the instance: the same class can do either
+        (a draft model's chains sample, its trees do not)."""
+        return False
+
+    @property
+    def drafts_trees(self) -> bool:
+        """True if this proposer, as configured, drafts trees (several continuations):
+        a pipeline built without a verifier then verifies them with ``tree``."""
+        return False
+
+    @property
+    def drafts_in_target(self) -> bool:
+        """True if drafting runs the target's own layers in the request's session and
+        leaves KV entries there (early exit): the engine then hands it the session
+        (``state.session``), and its :meth:`verify_forward` must leave the session
+        as an ordinary pass would. False for every proposer with a model of its own."""
+        return False
+
+    @property
+    def reads_target_layers(self) -> bool:
+        """True if drafting reads the target's inner layers as its passes run (early
+        exit's shallow layers, EAGLE's features), so it needs the target's real passes:
+        a replay over recorded outputs (:mod:`specdec.decoders.evaluation.replay`) skips it.
+        Final hidden states (``state.hidden``) are not inner layers."""
+        return self.drafts_in_target
+
+    def begin(self, state: DecodeState) -> None:
+        """Reset per-request state."""
+
+    def propose(self, state: DecodeState) -> Draft:
+        raise NotImplementedError
+
+    def skip(self, state: DecodeState) -> None:
+        """Called instead of :meth:`propose` in a round that will not be drafted (the round
+        gate found drafting does not pay); no :meth:`observe` follows. A proposer that keeps
+        state in step with the target's passes (the hidden states of the positions committed,
+        ``state.committed_hidden``) takes in the last pass here; one that reads only
+        ``state.tokens`` catches up at its next propose and needs nothing."""
+
+    def observe(self, state: DecodeState, round: Round) -> None:
+        """Called after each round the request goes on from, with its outcome. A proposer
+        needs no timer of its own: ``round.draft_seconds`` is the engine's measure."""
+
+    def finish(self, state: DecodeState) -> None:
+        """The request is done; ``state.tokens`` holds its prompt and whole output.
+        A proposer with memory across requests (``suffix``) learns from it here."""
+
+    def forget(self) -> None:
+        """Drop what earlier requests left in memory, back to the state after construction.
+        The benchmark calls it after warm-up, so measured requests start alike."""
+
+    def verify_forward(
+        self, target: ModelSession, tokens: list[int], parents: list[int] | None
+    ) -> torch.Tensor:
+        """The target's verification pass over ``tokens`` = [pending] + draft tokens,
+        (len(tokens), vocab) logits; ``parents`` as in :meth:`ModelSession.forward`.
+
+        The default is one ordinary target pass. A proposer that already computed
+        part of this pass while drafting (early exit: the target's own shallow
+        layers) overrides it to reuse that work; it must return the same logits
+        (up to floating-point order) and leave ``target`` exactly as
+        ``target.forward`` would (all layers' KV entries, ``cached``, ``hidden``).
+        """
+        return target.forward(tokens, parents)
+
+    def describe(self) -> dict:
+        """Facts about the proposer worth recording with results."""
+        return {}
+
+
+def constrained_rows(
+    state: DecodeState, path: list[int], token_ids: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Under the request's constraint, the (drafter vocab,) bool mask of the tokens its grammar
+    allows after the output plus ``path`` (the tokens drafted so far), for a drafter to draw
+    from its constrained, renormalised distribution (:func:`draft_token`'s ``allowed``), so
+    that its q is the distribution the kept token was drawn from; None without a constraint.
+    ``token_ids``: the drafter's row -> token id, for a drafter over part of the vocabulary."""
+    if state.grammar is None:
+        return None
+    allowed = state.grammar.allowed_after(tuple(path))  # (vocab,)
+    return allowed if token_ids is None else allowed[token_ids.to(allowed.device)]
+
+
+def draft_token(
+    logits: torch.Tensor, state: DecodeState, with_confidence: bool, allowed: torch.Tensor | None = None
+) -> tuple[int, torch.Tensor | None, float]:
+    """One autoregressive draft step from the drafter's ``logits`` (vocab,):
+    (token index, its processed distribution q when sampling else None, confidence).
+
+    Greedy: the argmax; sampling: a draw from q after the request's
+    temperature / top-k / top-p. Confidence is the drafter's top probability
+    (1.0 unless ``with_confidence``), for ending a draft where the drafter
+    itself is unsure (``min_confidence``: a wrong token ends every later one).
+    It is the top probability, not the drawn token's: a stop that depended on
+    which token was drawn would leave the drafted tokens distributed as q
+    restricted to the confident ones, and acceptance with min(1, p/q) would then
+    no longer give p. A stop that depends only on q keeps sampling lossless.
+
+    ``allowed`` (vocab,) bool: draw only among these tokens (a constraint's,
+    :func:`constrained_rows`); the caller stops drafting where none is allowed.
+    """
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    if state.sampling.greedy:
+        token = int(logits.argmax())
+        confidence = float(torch.softmax(logits.float(), -1).max()) if with_confidence else 1.0
+        return token, None, confidence
+    probs = processed_probs(logits, state.sampling)  # (vocab,) float32
+    token = int(sample(probs, state.generator))
+    return token, probs, float(probs.max()) if with_confidence else 1.0

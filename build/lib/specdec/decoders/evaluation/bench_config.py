@@ -1,0 +1,64 @@
+"""The bench's options (``bench.*``): one typed schema, the one source of every default.
+
+Stored as the Hydra choice ``bench=default``; ``conf/bench.yaml`` sets only what needs
+Hydra (the output path in the run's folder), experiments override the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from specdec.decoders.cli.config import store_schema, to_dataclass
+
+# Measured when neither proposer= nor bench.pipelines= is given: the best pipeline of each
+# proposer family on the default target (README "Measured results"; docs/benchmarks.md).
+# A name runs the proposer's defaults (its best measured configuration, with the verifier its
+# drafts want); another label is a preset its class declares (copy_heads_chain). The trained
+# early exit cannot pay on this target (docs/benchmarks.md, "Early exit, per exit layer"):
+# it is in the full set, experiment=full_set, with the peers that cannot pay either.
+DEFAULT_PIPELINES = ["ngram", "suffix", "copy_heads", "copy_heads_chain", "merge", "draft_model"]
+# The peers of bench.peers=true: those that can pay on the default target. hf_assisted
+# (0.30-0.38x) and hf_early_exit (0.25-0.32x) cannot, and took a third of the quickstart.
+DEFAULT_PEERS = ["hf_generate", "hf_prompt_lookup"]
+
+
+@dataclass
+class BenchConfig:
+    max_new_tokens: int = 64  # per prompt; the default run (60 prompts) stays within minutes on 2 CPU cores
+    warmup: int = 1  # prompts run (and discarded) by every pipeline before measuring
+    repeats: int = 1  # measured runs of each prompt; with 2 or more, mean and spread are reported
+    # several pipelines in one run: names, preset labels, "proposer+verifier", or mappings,
+    # e.g. [ngram+greedy,copy_heads_chain,{proposer:{name:medusa,tree:auto},verifier:tree}]
+    pipelines: list[Any] = field(default_factory=list)
+    # a pipeline here whose trained artifact is missing is skipped with the command that trains it
+    default_pipelines: list[Any] = field(default_factory=lambda: list(DEFAULT_PIPELINES))
+    # rounds: our pipelines run in step, a round at a time, on each prompt; prompts: one after another
+    interleave: str = "rounds"
+    aa: bool = True  # standard decoding twice, in step: "standard (A/A)" is the speedup noise alone gives
+    peers: Any = False  # also measure transformers' peers: true = default_peers, all, or a list of names
+    default_peers: list[str] = field(default_factory=lambda: list(DEFAULT_PEERS))
+    # results.json (conf/bench.yaml: Hydra's output directory, outputs/bench/DATE_TIME/ for a
+    # run, multirun/DATE_TIME/JOB/ for each job of a sweep); the plots go next to it
+    output: str = "results.json"
+    plots: bool = True  # PNG plots next to results.json
+    cost_cache: bool = True  # reuse the cached T(n) of this model/device/dtype; false = measure afresh
+    # with model.exact on: also time every pipeline with it off, interleaved (speedup over
+    # standard decoding with it off)
+    exact_off: bool = False
+
+    def __post_init__(self) -> None:
+        for option in ("repeats", "max_new_tokens"):
+            if int(getattr(self, option)) < 1:
+                raise ValueError(f"bench.{option}={getattr(self, option)}: must be at least 1")
+        if self.interleave not in ("rounds", "prompts"):
+            raise ValueError(f"bench.interleave={self.interleave!r}: use rounds (the default) or prompts")
+
+
+store_schema("bench", "default", BenchConfig)
+
+
+def bench_config(cfg: DictConfig) -> BenchConfig:
+    return to_dataclass(BenchConfig, cfg.bench, "bench")

@@ -1,0 +1,191 @@
+"""Hugging Face implementations measured in the same run as peers.
+
+Each peer runs ``transformers``' own ``model.generate`` on the same prompt ids
+with the same sampling settings:
+
+    hf_generate       plain generate (its counterpart: standard decoding)
+    hf_prompt_lookup  prompt lookup decoding (counterpart: ngram)
+    hf_assisted       assisted generation with the same draft model (draft_model)
+    hf_early_exit     assistant_early_exit self-speculation (early_exit)
+
+Under a constraint each peer gets the same grammar as a logits processor
+(:class:`GrammarLogitsProcessor`): transformers applies it at every position it decodes, the
+rows prompt lookup verifies included; that is all it offers for structured output.
+
+``bench.peers=true`` measures the ``bench.default_peers`` (those that can pay on the default
+target: on it, assisted generation ran at 0.30-0.36x and its early exit at 0.25-0.28x of
+standard decoding, and took a third of the quickstart's time); ``bench.peers=all`` every peer
+whose counterpart runs; a list (``bench.peers=[hf_generate,hf_assisted]``) those named.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from specdec.decoders.engine.constraint import Constraint, GrammarState
+from specdec.decoders.engine.sampling import SamplingConfig
+
+PEER_COUNTERPART = {
+    "hf_generate": None,
+    "hf_prompt_lookup": "ngram",
+    "hf_assisted": "draft_model",
+    "hf_early_exit": "early_exit",
+}
+
+
+@dataclass
+class HFPeer:
+    name: str
+    model: torch.nn.Module
+    eos_token_ids: list[int]
+    sampling: SamplingConfig
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @torch.inference_mode()
+    def run(
+        self, prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None = None
+    ) -> tuple[list[int], float, bool | None]:
+        """Generated token ids, wall seconds, and under ``constraint`` whether the output is
+        complete (None without one)."""
+        device = next(self.model.parameters()).device
+        input_ids = torch.tensor([prompt_ids], device=device)
+        kwargs: dict[str, Any] = dict(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_token_ids or None,
+            pad_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+        )
+        if self.sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            kwargs.update(
+                do_sample=True,
+                temperature=self.sampling.temperature,
+                top_k=self.sampling.top_k or None,
+                top_p=self.sampling.top_p,
+            )
+        kwargs.update(self.generate_kwargs)
+        start = time.perf_counter()
+        processor = None
+        if constraint is not None:  # its start (a matcher) is timed: our pipelines' is too
+            processor = GrammarLogitsProcessor(constraint.start(), len(prompt_ids))
+            kwargs["logits_processor"] = LogitsProcessorList([processor])
+        output = self.model.generate(**kwargs)
+        elapsed = time.perf_counter() - start
+        tokens = output[0, len(prompt_ids) :].tolist()
+        return tokens, elapsed, None if processor is None else processor.complete(tokens)
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """A constraint as transformers' logits processor: each call masks the scores with the
+    grammar's state after the ids it is given. Prompt lookup calls it on each verified row
+    with a longer or shorter prefix than the last call's, so the state follows the ids
+    (rolled back to the common prefix, then advanced), not the order of calls."""
+
+    def __init__(self, grammar: GrammarState, prompt_len: int) -> None:
+        self.grammar, self.prompt_len = grammar, prompt_len
+        self.consumed: list[int] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids[0, self.prompt_len :].tolist()  # (one request)
+        common = 0
+        while common < min(len(generated), len(self.consumed)) and generated[common] == self.consumed[common]:
+            common += 1
+        if common < len(self.consumed):
+            self.grammar.rollback(len(self.consumed) - common)
+        self.grammar.advance(generated[common:])
+        self.consumed = generated
+        allowed = self.grammar.allowed_after(())  # (vocab,)
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def complete(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` (the final output) is a complete sentence of the grammar."""
+        return self.grammar.constraint.accepts(tokens)
+
+
+def chosen_peers(setting: Any, default_peers: list[str]) -> list[str] | None:
+    """The peer names ``bench.peers`` asks for (None: every one whose counterpart runs);
+    ``[]`` for none. Unknown names are refused with the known ones."""
+    if setting in (False, None, "false", "off", "none"):
+        return []
+    if setting in (True, "true", "on", "default"):
+        names = list(default_peers)
+    elif setting == "all":
+        return None
+    elif isinstance(setting, (list, tuple)):
+        names = [str(name) for name in setting]
+    else:
+        names = [str(setting)]
+    unknown = [name for name in names if name not in PEER_COUNTERPART]
+    if unknown:
+        raise ValueError(
+            f"bench.peers: unknown peer {unknown[0]!r}; use true (bench.default_peers), all, false "
+            f"or a list of {sorted(PEER_COUNTERPART)}"
+        )
+    return names
+
+
+def make_peers(
+    target: torch.nn.Module,
+    eos_token_ids: list[int],
+    sampling: SamplingConfig,
+    proposers: dict[str, Any],
+    names: list[str] | None = None,
+) -> list[HFPeer]:
+    """hf_generate plus each peer whose counterpart proposer is being benchmarked, of
+    ``names`` (None: all of them).
+
+    proposers: name -> Proposer instance of the pipelines in this run (their
+    options set the peer's: same k, same draft model, same exit layer).
+    """
+    peers = _counterpart_peers(target, eos_token_ids, sampling, proposers)
+    return [peer for peer in peers if names is None or peer.name in names]
+
+
+def _counterpart_peers(
+    target: torch.nn.Module,
+    eos_token_ids: list[int],
+    sampling: SamplingConfig,
+    proposers: dict[str, Any],
+) -> list[HFPeer]:
+    peers = [HFPeer("hf_generate", target, eos_token_ids, sampling)]
+    if "ngram" in proposers:
+        ngram = proposers["ngram"].config
+        peers.append(
+            HFPeer(
+                "hf_prompt_lookup",
+                target,
+                eos_token_ids,
+                sampling,
+                {"prompt_lookup_num_tokens": ngram.k, "max_matching_ngram_size": ngram.max_n},
+            )
+        )
+    if "draft_model" in proposers:
+        draft = proposers["draft_model"]
+        peers.append(
+            HFPeer(
+                "hf_assisted",
+                target,
+                eos_token_ids,
+                sampling,
+                {"assistant_model": draft.model, "num_assistant_tokens": draft.config.k},
+            )
+        )
+    if "early_exit" in proposers:
+        early_exit = proposers["early_exit"].config
+        peers.append(
+            HFPeer(
+                "hf_early_exit",
+                target,
+                eos_token_ids,
+                sampling,
+                {"assistant_early_exit": early_exit.exit_layer, "num_assistant_tokens": early_exit.k},
+            )
+        )
+    return peers

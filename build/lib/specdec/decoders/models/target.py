@@ -1,0 +1,255 @@
+"""The target: a model and everything about how its passes run.
+
+A :class:`Target` owns one loaded model and is the only thing that changes how
+that model computes:
+
+* the kernel route of its linears (:class:`specdec.decoders.models.kernels.LinearRoute`:
+  the narrow route, exact mode's products) and its attention (packed GQA, exact
+  attention), installed by :meth:`configure` and removed by :meth:`close`;
+* its cost, T(n): the cached or measured curve (:meth:`cost_curve`) and the live
+  times of the passes the decode loop makes (:meth:`pass_times`, one per pass mode);
+* the layer taps drafters read the target's intermediate layers through
+  (:meth:`tap`), whose forward hooks it installs and removes.
+
+Nothing is stored on the ``nn.Module`` itself or in module globals: a routed linear
+changes class (to its route's subclass of ``nn.Linear``, parameters untouched), and
+the attention functions are registered with transformers' attention interface under
+names of this target's own, with this target's memo of the last pass's mask layout.
+
+What proposers may use is this object's public surface: the model's shape
+(``config``, ``vocab_size``, ``device``, ``dtype``), its parts a drafter shares
+(:meth:`input_embeddings`, :meth:`output_embeddings`, :meth:`layers`, :meth:`norm`),
+:meth:`session` to run passes, :meth:`tap` for layer outputs, :meth:`route` to give a
+drafter's own linears the target's route, and the cost (:meth:`cost_curve`).
+``model`` is the module itself, for code that runs it as transformers does (the
+peers' ``generate``, training).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from pathlib import Path
+
+import torch
+
+from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
+from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
+from specdec.decoders.models.exact_attention import TailLayouts, exact_attention
+from specdec.decoders.models.kernels import (
+    DEFAULT_MAX_ROWS,
+    PACKED_FROM,
+    LinearRoute,
+    linear_route,
+    packed_route_available,
+    route_linears,
+    unroute_linears,
+)
+from specdec.decoders.models.packed_attention import TiledMasks, packed_gqa_attention
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.models.taps import LayerTap
+
+_SERIAL = itertools.count()  # names this process's targets' attention registrations apart
+
+
+class Target:
+    """A model and its passes. ``narrow``: the narrow matmul route for passes of a few
+    tokens; ``exact``: every pass batch-invariant (:mod:`specdec.decoders.models.kernels`)."""
+
+    def __init__(self, model: torch.nn.Module, narrow: bool = False, exact: bool = False) -> None:
+        if isinstance(model, Target):
+            raise TypeError("Target(model): give the nn.Module, not a Target")
+        self.model = model
+        config = getattr(model, "config", None)
+        self.base_attention = getattr(config, "_attn_implementation", None)
+        serial = next(_SERIAL)
+        self._attention_names = {
+            "exact": f"specdec_exact_{serial}",
+            "packed": f"specdec_sdpa_{serial}",
+        }
+        self._registered: list[str] = []
+        self._tap: LayerTap | None = None
+        self._pass_times: dict[bool, PassTimes] = {}  # by exact mode
+        self._curves: dict[tuple, CostCurve] = {}  # by (key, exact mode)
+        # the routes installed so far, by mode (the target's and its drafters' linears alike),
+        # sharing the packed weight copies and the exact products' measured widths: switching
+        # modes back and forth (the bench's exact-off twins) re-packs and re-measures nothing
+        self._routes: dict[tuple[bool, bool], LinearRoute] = {}
+        self._packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._widths: dict = {}
+        self.narrow = self.exact = False
+        self.configure(narrow, exact)
+        # the registrations live as long as the module that runs them (it may outlive this object);
+        # then transformers' registry is left clean
+        weakref.finalize(model, _unregister, list(self._attention_names.values()))
+
+    # ------------------------------------------------------------------ passes
+
+    def configure(self, narrow: bool, exact: bool) -> None:
+        """Route the linears and attention: the narrow route, exact mode, both or neither.
+        Can be called again to switch (the benchmark's exact-off twins)."""
+        if narrow or exact or linear_route(self.model) is not None:
+            self.route(self.model, narrow=narrow, exact=exact)
+        self.narrow, self.exact = narrow, exact
+        if exact:
+            self._attend("exact", functools.partial(exact_attention, layouts=TailLayouts()))
+        elif narrow:
+            self._attend("packed", functools.partial(packed_gqa_attention, tiled_masks=TiledMasks()))
+        elif self.attention != self.base_attention and self.base_attention is not None:
+            self.model.set_attn_implementation(self.base_attention)
+
+    def route(self, module: torch.nn.Module, narrow: bool | None = None, exact: bool | None = None) -> int:
+        """Give ``module``'s linears (the target's, or a drafter's that runs narrow passes
+        beside it) the route of this target's passes, or the one named; returns how many."""
+        narrow = self.narrow if narrow is None else narrow
+        exact = self.exact if exact is None else exact
+        slot = (narrow, exact)
+        if slot not in self._routes:
+            packed_from = PACKED_FROM if narrow and not exact and packed_route_available() else 1 << 30
+            self._routes[slot] = LinearRoute(
+                DEFAULT_MAX_ROWS, narrow, exact, packed_from, packed=self._packed, widths=self._widths
+            )
+        return route_linears(module, self._routes[slot])
+
+    def _attend(self, kind: str, function) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        if self.base_attention != "sdpa" and kind == "packed":  # packed GQA rewrites SDPA only
+            if self.attention != self.base_attention and self.base_attention is not None:
+                self.model.set_attn_implementation(self.base_attention)
+            return
+        if self.base_attention is None:
+            return
+        name = self._attention_names[kind]
+        AttentionInterface.register(name, function)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+        if name not in self._registered:
+            self._registered.append(name)
+        self.model.set_attn_implementation(name)
+
+    @property
+    def attention(self) -> str | None:
+        """The attention implementation the model's passes take now."""
+        return getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+
+    @property
+    def exact_attention(self) -> bool:
+        """Whether attention runs exact mode's batch-invariant kernel (it may refuse a model
+        whose attention it cannot route; see :mod:`specdec.decoders.models.invariance`)."""
+        return self.attention == self._attention_names["exact"]
+
+    @property
+    def widest_exact_pass(self) -> int | None:
+        """In exact mode, the most tokens one pass may hold and keep every row exact: wider
+        passes (the prefill) take the plain linears and SDPA, the same pass for standard and
+        speculative decoding, so a verification pass must stay within this. None otherwise."""
+        return min(EXACT_MAX_ROWS, DEFAULT_MAX_ROWS) if self.exact else None
+
+    def session(self) -> ModelSession:
+        """A fresh session (one request's KV cache) over this target."""
+        return ModelSession(self.model, target=self)
+
+    def close(self) -> None:
+        """Remove everything this target installed on its model: routes, attention, hooks."""
+        unroute_linears(self.model)
+        if self.base_attention is not None and self.attention != self.base_attention:
+            self.model.set_attn_implementation(self.base_attention)
+        if self._tap is not None:
+            self._tap.remove()
+            self._tap = None
+        _unregister(self._registered)
+        self._registered = []
+        self.narrow = self.exact = False
+
+    # ------------------------------------------------------------------ shape and parts
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.output_embeddings().weight.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers())
+
+    def input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def output_embeddings(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    def decoder(self) -> torch.nn.Module:
+        return self.model.get_decoder()
+
+    def layers(self) -> torch.nn.ModuleList:
+        """The decoder's layers, in order."""
+        return self.decoder().layers
+
+    def norm(self) -> torch.nn.Module | None:
+        """The decoder's final norm (None where it has none)."""
+        return getattr(self.decoder(), "norm", None)
+
+    # ------------------------------------------------------------------ taps
+
+    def tap(self, layers: list[int]) -> LayerTap:
+        """The outputs of decoder layers ``layers`` (0-based) in this target's passes: one
+        tap per target, shared by every drafter on it, its hooks removed by :meth:`close`."""
+        if self._tap is None:
+            self._tap = LayerTap(self.decoder())
+        self._tap.watch(layers)
+        return self._tap
+
+    # ------------------------------------------------------------------ cost
+
+    def cost_curve(self, key: str, cache_dir: Path) -> CostCurve:
+        """T(n) in the current pass mode: the shared cache's curve (measured there on first
+        use), kept for this target's life (a measurement too disturbed to cache included)."""
+        slot = (key, self.exact)
+        if slot not in self._curves:
+            self._curves[slot] = cached_cost_curve(self.model, key, cache_dir, exact=self.exact)
+        return self._curves[slot]
+
+    def pass_times(self, base: CostCurve | None = None) -> PassTimes | None:
+        """The live times of this target's passes in the current pass mode, shared by every
+        pipeline over it (the baseline included). Started from ``base`` on first use; without
+        ``base``, None until some pipeline follows its live cost."""
+        if self.exact not in self._pass_times and base is not None:
+            self._pass_times[self.exact] = PassTimes(base)
+        return self._pass_times.get(self.exact)
+
+
+def _unregister(names: list[str]) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    for name in names:
+        AttentionInterface._global_mapping.pop(name, None)
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+
+
+def as_target(model: torch.nn.Module | Target) -> Target:
+    """``model`` if it is a Target, else a Target over it that leaves its passes as they are.
+    A module whose passes a Target already routes is refused: two owners would undo each
+    other's routes (give that Target, e.g. ``pipeline.target``, not ``pipeline.model``)."""
+    if isinstance(model, Target):
+        return model
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    if linear_route(model) is not None or attention.startswith("specdec_"):
+        raise ValueError(
+            "this model's passes already belong to a Target (routed linears or attention): pass that "
+            "Target (pipeline.target, or load_model's first value), not its module"
+        )
+    return Target(model)

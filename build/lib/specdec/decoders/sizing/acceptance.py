@@ -1,0 +1,137 @@
+"""Acceptance statistics: how often a tried draft node is accepted, per situation.
+
+Every sizing decision in the project reads one :class:`AcceptanceStats`. Its keys
+are whatever situation a proposer names: (match length, depth) for prompt lookup,
+(depth, rank among siblings) for a static tree, (depth, confidence bucket) for a
+dynamic tree, (depth, frequency bucket, source, match bucket) for suffix trees.
+
+A node is *tried* when the target saw it and its parent was accepted (or it hangs
+from the pending token); it is *accepted* when it lies on the accepted path. The
+rate of a key is
+
+    a(key) = (accepted + w * prior(key)) / (tried + w)      (0 when tried + w = 0)
+
+with ``w`` pseudo-observations at the prior rate. One prior convention per use:
+
+* :meth:`AcceptanceStats.optimistic` (w = 1, prior 1): chains that must explore,
+  an untried situation is drafted in full (``draft_length``);
+* :meth:`AcceptanceStats.measured` (w = 0): only what was measured, 0 for an untried
+  key;
+* :meth:`AcceptanceStats.level_shrunk` (w = 8, prior the rate measured for the same
+  rank one level up): static trees (``tree_budget``), which explore by starting from
+  their full tree; deep nodes are tried only when every node above them was accepted,
+  so a few unlucky tries must not rule a level out for good;
+* :meth:`AcceptanceStats.confident` (w = 4, prior the middle of the key's
+  confidence bucket): the drafter is taken at its word until measured (dynamic
+  trees); with ``by_level`` (suffix trees) a key below depth 0 starts instead from
+  the rate measured one level up in the same situation, so a situation whose
+  shallow nodes are measured at 0.96 does not price its first deep node at the
+  bucket's middle: copying that has held for three tokens tends to go on, and a
+  deep node priced low is never sent, so never measured.
+
+Treating levels as independent, a node is accepted with the product of its and its
+ancestors' rates (:meth:`path_values`); a chain is the tree whose every node has one
+child, so the same products give a chain's survival by depth.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+
+from specdec.decoders.engine.draft import Draft, Round
+
+CONFIDENCE_BUCKETS = 10  # buckets of a drafter's probability in the confident convention's keys
+
+
+def confidence_bucket(probability: float, buckets: int = CONFIDENCE_BUCKETS) -> int:
+    """A key part from a drafter's probability: 0 .. buckets - 1, equal widths."""
+    return min(int(probability * buckets), buckets - 1)
+
+
+class AcceptanceStats:
+    """Tried and accepted draft nodes, counted per key, with a prior (see the module)."""
+
+    def __init__(self, prior: Callable[[Hashable], float] | float = 0.0, weight: float = 0.0) -> None:
+        self.prior = prior if callable(prior) else (lambda key, rate=float(prior): rate)
+        self.weight = weight
+        self.tried: Counter = Counter()
+        self.accepted: Counter = Counter()
+
+    @classmethod
+    def optimistic(cls) -> AcceptanceStats:
+        """1 of 1 accepted before anything is measured."""
+        return cls(1.0, 1.0)
+
+    @classmethod
+    def measured(cls) -> AcceptanceStats:
+        """No prior: the measured share, 0 where never tried."""
+        return cls(0.0, 0.0)
+
+    @classmethod
+    def level_shrunk(cls, weight: float = 8.0) -> AcceptanceStats:
+        """Keys (depth, rank): ``weight`` observations at the rate measured for (depth - 1,
+        rank); at depth 0 the measured share alone (0 where never tried)."""
+        stats = cls(0.0, weight)
+
+        def prior(key) -> float:
+            depth, rank = key
+            if depth > 0:
+                return stats.rate((depth - 1, rank))
+            tried = stats.tried[key]
+            return stats.accepted[key] / tried if tried else 0.0
+
+        stats.prior = prior
+        return stats
+
+    @classmethod
+    def confident(
+        cls, buckets: int = CONFIDENCE_BUCKETS, weight: float = 4.0, by_level: bool = False
+    ) -> AcceptanceStats:
+        """Keys (depth, confidence bucket, ...): ``weight`` observations at the bucket's middle,
+        or (``by_level``, depth > 0) at the rate of the same key one level up, whose own
+        prior goes up in turn to depth 0's bucket middle."""
+
+        def middle(key) -> float:
+            return (key[1] + 0.5) / buckets
+
+        stats = cls(middle, weight)
+        if by_level:
+            stats.prior = lambda key: stats.rate((key[0] - 1, *key[1:])) if key[0] > 0 else middle(key)
+        return stats
+
+    def rate(self, key: Hashable) -> float:
+        tried = self.tried[key] + self.weight
+        return (self.accepted[key] + self.weight * self.prior(key)) / tried if tried else 0.0
+
+    def record(
+        self, draft: Draft, keys: Sequence[Hashable], path: list[int], verified: list[int] | None = None
+    ) -> None:
+        """Count one verified round of ``draft`` (node i keyed ``keys[i]``): the children of
+        the pending token and of every accepted node were tried, if the target saw them
+        (``verified``, default all); those on ``path`` were accepted."""
+        seen = None if verified is None or len(verified) == len(draft) else set(verified)
+        on_path = set(path)
+        for row in [0] + [node + 1 for node in path]:
+            for child in draft.children[row]:
+                if seen is None or child in seen:
+                    self.tried[keys[child]] += 1
+                    self.accepted[keys[child]] += child in on_path
+
+    def record_round(self, round: Round, keys: Sequence[Hashable]) -> None:
+        self.record(round.draft, keys, round.path, round.verified)
+
+    def path_values(self, parents: Sequence[int], keys: Sequence[Hashable]) -> list[float]:
+        """Each node's estimated acceptance: its key's rate times its parent's value
+        (parents before children)."""
+        values: list[float] = []
+        for parent, key in zip(parents, keys):
+            values.append(self.rate(key) * (values[parent] if parent >= 0 else 1.0))
+        return values
+
+    def as_dict(self, label: Callable[[Hashable], str] = str) -> dict:
+        """Tried counts and rates per measured key (for results files)."""
+        return {
+            label(key): {"tried": tried, "rate": round(self.rate(key), 4)}
+            for key, tried in sorted(self.tried.items(), key=lambda item: item[0])
+        }

@@ -1,0 +1,148 @@
+"""The one best-size search: how many of a draft's ranked nodes pay for their pass.
+
+With the candidates' estimated acceptance probabilities v_1 >= v_2 >= ... (each
+prefix a tree: a node never outranks its parent), a draft of the first n nodes
+emits on average E(n) = 1 + v_1 + ... + v_n tokens per round (the 1: the
+correction or bonus token), and costs
+
+    T(n + 1) + D + c n
+
+seconds: the target's pass over the pending token and n nodes, D the drafting
+seconds per round, c the drafting seconds per node (an autoregressive chain pays
+per token). :func:`best_size` takes the n maximising E(n) / (T(n + 1) + D + c n).
+Two guards keep measurement noise from steering it: T is made non-decreasing
+(:meth:`CostCurve.non_decreasing`, a wider pass never looks cheaper), and a bigger
+draft must beat a smaller one by ``min_gain`` (1%).
+
+Every sizer uses it: chain lengths (values = the survival products along the
+chain), static tree budgets (values = the best tree's node products, best first),
+dynamic trees and suffix trees (each round's candidates). ``min_confidence``
+(draft_model, early_exit) stays a separate shortcut: it ends a chain where the
+drafter's top probability is low, a rule that depends on q only (so sampling
+stays lossless) and needs no measurement.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable
+
+from specdec.decoders.engine.draft import Round
+from specdec.decoders.models.cost import CostCurve
+
+MIN_GAIN = 0.01  # a bigger draft must promise this much more tokens per second
+
+
+def best_size(
+    values: list[float],
+    pass_seconds: list[float],
+    draft_seconds: float = 0.0,
+    seconds_per_node: float = 0.0,
+    min_gain: float = MIN_GAIN,
+    allow_empty: bool = False,
+    base_tokens: float = 1.0,
+) -> tuple[int, float]:
+    """(n, expected tokens per second) of the best draft made of the n first ``values``.
+
+    ``values`` in descending order; ``pass_seconds[m]`` = T(m + 1), non-decreasing
+    (n is at most len(pass_seconds) - 1). With ``allow_empty``, n = 0 (a plain decoding
+    step) competes; otherwise the smallest draft has one node (worth 0 if ``values``
+    is empty). ``base_tokens``: what a round emits without the candidates (the
+    correction or bonus token, plus the estimates of nodes kept anyway; their pass
+    width is then in ``pass_seconds``' offset)."""
+    values = values[: len(pass_seconds) - 1] or ([] if allow_empty else [0.0])
+    best = 0 if allow_empty else 1
+    expected = base_tokens + sum(values[:best])
+    best_rate = expected / (pass_seconds[best] + draft_seconds + seconds_per_node * best)
+    for n in range(best + 1, len(values) + 1):
+        expected += values[n - 1]
+        rate = expected / (pass_seconds[n] + draft_seconds + seconds_per_node * n)
+        if rate > best_rate * (1 + min_gain):
+            best, best_rate = n, rate
+    return best, best_rate
+
+
+def survival(rates: list[float]) -> list[float]:
+    """A chain's node values: node d is accepted only if every node before it is."""
+    values, survive = [], 1.0
+    for rate in rates:
+        survive *= rate
+        values.append(survive)
+    return values
+
+
+class PassSeconds:
+    """T(1) .. T(max_tokens), non-decreasing, read from the target's cost curve on first
+    use (so a curve that still has to be measured is measured only when needed) and
+    again whenever the curve's ``version`` changes (a live curve,
+    :class:`specdec.decoders.models.cost.PassTimes`)."""
+
+    def __init__(self, target_cost: Callable[[], CostCurve], max_tokens: int) -> None:
+        self._target_cost = target_cost
+        self.max_tokens = max_tokens
+        self._seconds: list[float] | None = None
+        self._curve: CostCurve | None = None
+        self._version = -1
+
+    def __call__(self) -> list[float]:
+        if self._curve is None:
+            self._curve = self._target_cost()
+        if self._seconds is None or self._curve.version != self._version:
+            self._version = self._curve.version
+            self._seconds = self._curve.non_decreasing(self.max_tokens)
+        return self._seconds
+
+
+class Sizer:
+    """What a proposer's sizing keeps between rounds: it learns from each verified
+    round (:meth:`observe`, the keys of the nodes it sized are its own business) and
+    reports what it measured (:meth:`describe`, merged into the proposer's results)."""
+
+    def __init__(self) -> None:
+        self.draft_seconds = 0.0  # summed over observed rounds (the engine's measure)
+        self.rounds = 0
+
+    @property
+    def mean_draft_seconds(self) -> float:
+        return self.draft_seconds / max(self.rounds, 1)
+
+    def observe(self, round: Round) -> None:
+        self.draft_seconds += round.draft_seconds
+        self.rounds += 1
+
+    def describe(self) -> dict:
+        return {}
+
+
+class Probe:
+    """Keeps measuring a situation sized to no draft, so that one switched off can recover:
+    after ``every`` such rounds of a key it gets one node. A probe that does not switch
+    its situation back on doubles the wait before the next one, up to ``every`` x
+    ``MAX_BACKOFF``; a round sized above zero resets it. A drafter that never pays (an
+    early exit at temperature 1, whose one-token probe costs 0.4 T(1) here) then pays
+    for a probe every 128 rounds, not every 16."""
+
+    MAX_BACKOFF = 8
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.skipped: Counter = Counter()  # rounds sized to nothing since the last probe, per key
+        self.wait: dict[Hashable, int] = {}  # rounds between probes, per key (every when absent)
+        self._probed: set[Hashable] = set()  # keys whose last round was a probe
+
+    def __call__(self, key: Hashable, size: int) -> int:
+        probed = key in self._probed
+        self._probed.discard(key)
+        if size:
+            self.wait.pop(key, None)
+            self.skipped[key] = 0
+            return size
+        wait = self.wait.get(key, self.every)
+        if probed:  # the probe was measured and the situation stays off
+            wait = self.wait[key] = min(2 * wait, self.every * self.MAX_BACKOFF)
+        self.skipped[key] += 1
+        if self.skipped[key] < wait:
+            return 0
+        self.skipped[key] = 0
+        self._probed.add(key)
+        return 1

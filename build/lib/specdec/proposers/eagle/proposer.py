@@ -1,0 +1,257 @@
+"""The ``eagle`` proposer: chains and EAGLE-2 dynamic trees from a trained drafter.
+
+Each round first syncs the drafter's KV cache with the positions the target
+committed (fed with the target's features), then drafts from the root it gives.
+A drafter with a pointer (``drafter.copy_width``) also stores those positions in
+the request's :class:`ContextMemory` and drafts over its rows (the draft vocabulary,
+then the context's other tokens) from the mixture with the pointer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.decoders.engine.context import artifact_source
+from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.files import readable_artifact
+from specdec.decoders.engine.proposer import Proposer, constrained_rows, draft_token
+from specdec.decoders.engine.registry import register_proposer
+from specdec.decoders.engine.sampling import check_finite
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.sizing.acceptance import confidence_bucket
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.sizing.dynamic_tree import DynamicTree
+from specdec.proposers.copy_attention import ContextMemory, drafting_log_probs
+from specdec.proposers.eagle.artifact import CONFIG_FILE, load_artifact
+from specdec.proposers.eagle.drafter import check_llama_style, target_features
+
+
+@register_proposer("eagle")
+class EagleProposer(Proposer):
+    artifact = "eagle"
+    trainer = "specdec.train.eagle"
+
+    @dataclass
+    class Config:
+        # Artifact directory; null = <artifacts_dir>/<target>/eagle.
+        path: str | None = None
+        k: int = 4  # chain: most tokens per draft; tree: its depth
+        tree: bool = False  # EAGLE-2 dynamic tree (decoders/sizing/dynamic_tree.py) instead of a chain
+        tree_width: int = 4  # trees: children per expanded node, nodes expanded per level
+        # trees: nodes kept, an int, "auto" (each round's best size from T(n) and the
+        # acceptance measured per depth and confidence) or null (all candidates)
+        tree_budget: Any = "auto"
+        # chains: cut each draft to the length that pays, from acceptance measured per
+        # first-token confidence and the target's T(n) (decoders/sizing/draft_length.py)
+        adaptive: bool = True
+
+    @property
+    def drafts_trees(self) -> bool:
+        return self.config.tree
+
+    @property
+    def sampled(self) -> bool:
+        return not self.config.tree  # chains carry q; trees are deterministic (point masses)
+
+    @property
+    def reads_target_layers(self) -> bool:
+        return True  # its features are the target's layer outputs, tapped as its passes run
+
+    def __init__(self, config: Config, context) -> None:
+        super().__init__(config, context)
+        if config.k < 1:
+            raise ValueError(f"proposer.k must be >= 1, got {config.k}")
+        check_llama_style(context.target.model)  # before asking for an artifact it could never have
+        directory = Path(config.path) if config.path else context.artifact_path(self.artifact)
+        if not (directory / CONFIG_FILE).exists():
+            raise FileNotFoundError(
+                f"no EAGLE drafter for target {context.target_key!r} at {directory}. Train it with "
+                f"`{context.train_command(self.artifact, config.path)}`."
+            )
+        with readable_artifact(directory, context.train_command(self.artifact, config.path)):
+            artifact = load_artifact(directory, context.target.model)
+        self.drafter = artifact.drafter
+        if context.target.narrow:  # drafting passes are narrow passes too
+            context.target.route(self.drafter, exact=False)
+        self.meta = artifact.meta
+        self.artifact_source = artifact_source(directory)
+        self.num_target_layers = context.target.num_layers
+        self.layers = self.drafter.feature_layers
+        self.tap = context.target.tap([i - 1 for i in self.layers if i < self.num_target_layers])
+        self.session = ModelSession(self.drafter)
+        self.token_ids = self.drafter.vocabulary.token_ids.to(self.drafter.device)  # (n,) row -> token id
+        self.dynamic = (
+            DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
+            if config.tree
+            else None
+        )
+        self.policy = (
+            DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive and not config.tree else None
+        )
+        self._fed = 0  # committed positions in the draft's cache (fed with the target's features)
+        self.memory: ContextMemory | None = None  # a drafter with a pointer: the request's context
+
+    def begin(self, state) -> None:
+        self.session.reset()
+        self._fed = 0
+        self.memory = None if self.drafter.copy is None else self.drafter.context_memory()
+
+    @torch.inference_mode()
+    def propose(self, state) -> Draft:
+        root_logits, root_state = self._sync(state)
+        if self.dynamic is not None:
+            return self._draft_tree(root_logits, root_state, state)
+        return self._draft_chain(root_logits, root_state, state)
+
+    @torch.inference_mode()
+    def skip(self, state) -> None:
+        """Feed the committed positions' features, as every round must."""
+        self._sync(state)
+
+    def _sync(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop last round's drafted entries, feed the positions the target committed
+        since (their features and the tokens after them); -> the root logits (n,) (or,
+        with a pointer, log-probabilities over the memory's rows) and the draft's state
+        (hidden,) at the last committed position."""
+        committed = len(state.tokens) - 1  # positions before the pending token
+        rows = state.committed_rows
+        count = len(state.hidden) if rows is None else len(rows)
+        start = committed - count
+        if start != self._fed:
+            raise RuntimeError(
+                f"the EAGLE draft cache holds {self._fed} positions and the last pass committed {count}, but "
+                f"the request has {committed}: call begin() at each request and propose() every round"
+            )
+        self.session.truncate(self._fed)
+        features = target_features(
+            self.layers, self.num_target_layers, state.hidden, self.tap, rows
+        )  # (c, F)
+        following = state.tokens[start + 1 : committed + 1]
+        fused = self.drafter.fuse(features.to(self.drafter.dtype))  # (c, hidden)
+        next_tokens = torch.tensor(following, device=self.drafter.device)
+        inputs = self.drafter.inputs(fused, next_tokens)  # (c, hidden)
+        logits = self.session.forward(following, inputs_embeds=inputs, last_only=True)[-1:]  # (1, n)
+        self._fed = committed
+        if self.memory is not None:
+            if len(self.memory) != start:
+                raise RuntimeError(
+                    f"the EAGLE pointer's memory holds {len(self.memory)} positions, the draft cache {start}"
+                )
+            hidden = fused.shape[-1]
+            self.memory.extend(features[:, -hidden:], state.tokens[start:committed], following)
+            logits = self._mixed(0, fused[-1:], next_tokens[-1:], logits)
+        return logits[0], self.session.hidden[-1]
+
+    def _step(
+        self, states: torch.Tensor, tokens: list[int], depth: int, parents=None, tree_start=None
+    ) -> torch.Tensor:
+        """Feed drafted ``tokens`` (at ``depth``, the root's children being depth 0) after
+        their parents' states (f, hidden) -> (f, n) logits (with a pointer: (f, rows)
+        log-probabilities)."""
+        ids = torch.tensor(tokens, device=self.drafter.device)
+        inputs = self.drafter.inputs(states, ids)
+        logits = self.session.forward(tokens, parents, tree_start=tree_start, inputs_embeds=inputs)
+        return logits if self.memory is None else self._mixed(depth, states, ids, logits)
+
+    def _mixed(
+        self, depth: int, states: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor:
+        """The mixture with the pointer at ``depth``: states (f, hidden) the features the
+        layer read, tokens (f,) the tokens after them, logits (f, n) -> (f, rows)."""
+        slot = self.drafter.copy_slot(depth)
+        return drafting_log_probs(
+            self.drafter.copy, slot, states, self.drafter.embed(tokens), logits, self.memory
+        )
+
+    def _draft_chain(self, logits: torch.Tensor, previous: torch.Tensor, state) -> Draft:
+        length = self.config.k
+        if self.policy is not None:  # the cut depends on q only: sampling stays lossless
+            key = confidence_bucket(float(torch.softmax(logits.float(), -1).max()))
+            length = self.policy.choose(key, self.config.k)
+            if length == 0:
+                return Draft.empty()
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(length):
+            check_finite(logits, "EAGLE drafter")
+            allowed = constrained_rows(
+                state, tokens, self._row_token_ids(logits.shape[-1])
+            )  # None without a constraint
+            if allowed is not None and not bool(allowed.any()):
+                break
+            index, probs, _ = draft_token(logits, state, False, allowed)
+            tokens.append(self._ids([index])[0])
+            if probs is not None:
+                rows.append(self._full_row(probs))
+            if i + 1 < length:
+                logits = self._step(previous[None], tokens[-1:], i + 1)[-1]
+                previous = self.session.hidden[-1]
+        return Draft.chain(tokens, torch.stack(rows) if rows else None)
+
+    def _draft_tree(self, root_logits: torch.Tensor, root_state: torch.Tensor, state) -> Draft:
+        """A dynamic tree: each level's frontier is fed as one more level of a tree in
+        the draft's cache, after its parents' states."""
+        tree_start = len(self.session)
+        offset_of: dict[int, int] = {-1: -1}  # candidate node -> offset of its fed entry
+        state_of: dict[int, torch.Tensor] = {-1: root_state}  # node -> the draft's state there
+        fed_parents: list[int] = []
+
+        def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
+            for node in frontier:
+                offset_of[node] = len(fed_parents)
+                fed_parents.append(offset_of[parents[node]])
+            states = torch.stack([state_of[parents[node]] for node in frontier])  # (f, hidden)
+            tokens = self._ids([rows[node] for node in frontier])
+            logits = self._step(states, tokens, depth + 1, fed_parents, tree_start)  # (f, n)
+            for i, node in enumerate(frontier):
+                state_of[node] = self.session.hidden[i]
+            return logits
+
+        allowed = None
+        if state.grammar is not None:  # under a constraint: children among the allowed tokens only
+            row_ids = self._row_token_ids(root_logits.shape[-1])
+
+            def allowed(path: list[int]) -> torch.Tensor:
+                return constrained_rows(state, self._ids(path) if path else [], row_ids)
+
+        draft = self.dynamic.build(root_logits, expand, "EAGLE drafter", allowed)
+        return Draft(self._ids(draft.tokens), draft.parents, values=draft.values)
+
+    def _ids(self, rows: list[int]) -> list[int]:
+        """Drafting rows (the draft vocabulary's, or the pointer memory's) -> token ids."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)
+        return (self.token_ids[index] if self.memory is None else self.memory.token_ids(index)).tolist()
+
+    def _row_token_ids(self, rows: int) -> torch.Tensor:
+        """(rows,) the token id of every drafting row."""
+        index = torch.arange(rows, device=self.token_ids.device)
+        return self.token_ids[index] if self.memory is None else self.memory.token_ids(index)
+
+    def _full_row(self, probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the drafting rows -> (vocab,)."""
+        if self.memory is None:
+            return self.drafter.vocabulary.full_row(probs)
+        return self.memory.full_rows(probs[None])[0]
+
+    def observe(self, state, round: Round) -> None:
+        sizer = self.dynamic if self.dynamic is not None else self.policy
+        if sizer is not None:
+            sizer.observe(round)
+
+    def describe(self) -> dict:
+        facts = {
+            "artifact": self.artifact_source,
+            "feature_layers": self.layers,
+            "draft_vocab_size": len(self.token_ids),
+            "k": self.config.k,
+            "heldout_top1": self.meta.get("metrics", {}).get("top1"),
+        }
+        if self.dynamic is not None:
+            facts.update(self.dynamic.describe())
+        elif self.policy is not None:
+            facts["draft_length_rates"] = self.policy.as_dict()
+        return facts
