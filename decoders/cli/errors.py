@@ -64,19 +64,19 @@ def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
     added = [a for a in args if a.startswith("+") and not a.startswith("++")]
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name, overrides=args, return_hydra_config=True)
             plain = compose(
                 config_name, overrides=[a for a in args if a not in added], return_hydra_config=True
             )
+            for override in added:  # before composing with them: a typed schema refuses them less clearly
+                key = override[1:].split("=", 1)[0]
+                if OmegaConf.select(plain, key, default=_ABSENT) is _ABSENT:
+                    _exit_with(
+                        f"{override}: adds an option no part of this command reads; remove it "
+                        f"(`python -m ... --cfg job` lists the options)"
+                    )
+            cfg = compose(config_name, overrides=args, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as error:
         _exit_with(hydra_message(error))
-    for override in added:
-        key = override[1:].split("=", 1)[0]
-        if OmegaConf.select(plain, key, default=_ABSENT) is _ABSENT:
-            _exit_with(
-                f"{override}: adds an option no part of this command reads; remove it "
-                f"(`python -m ... --cfg job` lists the options)"
-            )
     missing = sorted(_missing_values(cfg))
     if missing:
         _exit_with(f"{missing[0]} has no value; give {missing[0]}=... on the command line")
