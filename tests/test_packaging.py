@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,10 +21,16 @@ FOLDERS = ("decoders", "proposers", "verifiers", "train")
 def wheel(tmp_path_factory) -> Path:
     if importlib.util.find_spec("setuptools") is None:
         pytest.skip("setuptools is not installed (pip install -e '.[dev]' installs it)")
+    # built from a copy: setuptools leaves build/ in the tree it builds, and reuses it
+    source = tmp_path_factory.mktemp("source")
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    for folder in (*FOLDERS, "conf"):
+        shutil.copytree(REPO_ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "-w", str(out), str(REPO_ROOT)],
+         "--disable-pip-version-check", "-w", str(out), str(source)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     (built,) = out.glob("*.whl")

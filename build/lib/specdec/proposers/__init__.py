@@ -1,4 +1,0 @@
-"""Proposers, one module (or small package) each: the implementations of
-:class:`specdec.decoders.engine.proposer.Proposer`. Nothing is imported here; the engine's
-registry imports a built-in the first time its name is looked up
-(:data:`specdec.decoders.engine.registry.BUILTIN_PROPOSERS`)."""
