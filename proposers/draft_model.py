@@ -67,7 +67,6 @@ from specdec.decoders.models.loading import (
     tiny_draft_model,
 )
 from specdec.decoders.models.target import Target
-from specdec.decoders.sizing.dynamic_tree import DynamicTree
 from specdec.proposers.vocabulary import ReducedVocabulary
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -110,7 +109,7 @@ class DraftModelProposer(Proposer):
         super().__init__(config, context)
         if config.k < 1:
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
-        self.tree = DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
+        self.tree = context.sizing.dynamic_tree(config.tree_width, config.k, config.tree_budget)
         draft_dir = self._draft_dir()
         # which draft ran: the user's, the shipped one, a hub/path draft (None: the seeded tiny draft)
         self.artifact_source = artifact_source(draft_dir) if draft_dir is not None else None

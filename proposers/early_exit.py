@@ -54,8 +54,6 @@ from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite
 from specdec.decoders.models.layered import LayeredDecoder, check_layered_equivalence
 from specdec.decoders.models.session import ModelSession
-from specdec.decoders.sizing.draft_length import DraftLengthPolicy
-from specdec.decoders.sizing.search import PassSeconds
 
 EXIT_WEIGHTS = "exit.safetensors"
 EXIT_CONFIG = "exit_config.json"
@@ -222,10 +220,10 @@ class EarlyExitProposer(Proposer):
             )
         self.layered: LayeredDecoder | None = None
         self._round: _DraftRound | None = None
-        self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
+        self.policy = context.sizing.chain(config.k) if config.adaptive else None
         self._draft_share = self._weights_share(target, exit_layer)  # SmolLM2-135M, exit 8: 0.42
         self._cut = False
-        self._pass_seconds = PassSeconds(context.cost_curve, 1)  # T(1), read when the curve changes
+        self._pass_seconds = context.sizing.pass_seconds(1)  # T(1), read when the curve changes
 
     @property
     def sampled(self) -> bool:

@@ -57,7 +57,6 @@ import torch
 from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, proposer_registry, register_proposer
-from specdec.decoders.sizing.search import PassSeconds, Sizer, best_size
 
 MAX_JOINED_NODES = 256  # the widest joined pass the joint budget considers
 
@@ -98,8 +97,8 @@ class MergeProposer(Proposer):
         self._drafts: list[Draft] = []
         self._joined: list[list[int]] = []  # per member: its nodes' indices in the joined draft
         self._seconds: list[float] = []  # per member: its propose's seconds this round
-        self.sizer = Sizer()  # the rounds' drafting seconds, every member's
-        self._pass_seconds = PassSeconds(context.cost_curve, MAX_JOINED_NODES + 1) if context else None
+        # the joined tree's size; it measures the rounds' drafting seconds, every member's
+        self.sizer = context.sizing.ranked(MAX_JOINED_NODES)
         self.cut_nodes = 0  # nodes the joint budget cut, over all rounds
         self.merged_nodes = 0  # nodes saved by shared prefixes, over all rounds
         self.own_nodes = [0] * len(self.members)  # nodes only this member proposed
@@ -189,14 +188,7 @@ class MergeProposer(Proposer):
         ranked = sorted(
             (i for i in range(len(joined)) if i not in kept), key=lambda i: (-values[i], joined.depths[i], i)
         )
-        seconds = self._pass_seconds()[len(kept) :]
-        size, _ = best_size(
-            [values[i] for i in ranked],
-            seconds,
-            self.sizer.mean_draft_seconds,
-            allow_empty=True,
-            base_tokens=1.0 + sum(values[i] for i in kept),
-        )
+        size = self.sizer.choose([values[i] for i in ranked], len(kept), sum(values[i] for i in kept))
         keep = sorted(kept | with_ancestors(ranked[:size]))
         if len(keep) == len(joined):
             return joined

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import register_proposer
-from specdec.decoders.sizing.draft_length import DraftLengthPolicy
 
 
 @register_proposer("ngram")
@@ -52,7 +51,7 @@ class NgramProposer(Proposer):
             raise ValueError(f"proposer.branches must be >= 1, got {config.branches}")
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # tokens[:_indexed] are in the index
-        self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
+        self.policy = context.sizing.chain(config.k) if config.adaptive else None
 
     def begin(self, state) -> None:
         self._index = {}

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.proposer import NeedsTokenizer, Proposer
 from specdec.decoders.engine.registry import register_proposer
-from specdec.decoders.sizing.draft_length import DraftLengthPolicy
 
 CLOSINGS = ('",', '"}', '"]')  # the tokens that end a JSON string value (the grammar keeps the valid ones)
 TAIL_TOKENS = 16  # the output's last tokens decoded to find the tail's text
@@ -62,7 +61,7 @@ class SpanProposer(Proposer):
         self.tokenizer = context.tokenizer
         self.closings = [self._encode(text) for text in CLOSINGS]  # each a token or a few
         self.source = ""
-        self.policy = DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive else None
+        self.policy = context.sizing.chain(config.k) if config.adaptive else None
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -45,9 +45,7 @@ from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.files import write_json
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import register_proposer
-from specdec.decoders.sizing.acceptance import AcceptanceStats
-from specdec.decoders.sizing.dynamic_tree import confidence_key
-from specdec.decoders.sizing.search import PassSeconds, Probe, Sizer, best_size
+from specdec.decoders.sizing.policy import SizingPolicy
 from specdec.proposers.suffix_index import State, SuffixIndex
 
 REQUEST, MEMORY = "request", "memory"
@@ -57,7 +55,7 @@ MEMORY_FORMAT = 1
 def source_key(depth: int, frequency: float, source: str, match_length: int, latest: bool = False) -> tuple:
     """A suffix node's key: (depth, frequency bucket, source, match-length bucket, whether
     it continues the match's latest occurrence)."""
-    return (*confidence_key(depth, frequency), source, min(match_length.bit_length(), 5), latest)
+    return (*SizingPolicy.node_key(depth, frequency), source, min(match_length.bit_length(), 5), latest)
 
 
 def source_label(key: tuple) -> str:
@@ -108,14 +106,14 @@ class SuffixProposer(Proposer):
                 f"got {config.memory_requests} and {config.memory_tokens}"
             )
         self.depth = config.max_match + config.k  # a match and its continuation fit in the index
-        self.calibration = AcceptanceStats.confident(by_level=True)  # keys: source_key(...)
-        self.sizer = Sizer()  # drafting seconds per round
+        # how many ranked candidates to send, and their calibration (keys: source_key(...));
+        # a situation where candidates existed but no draft paid is probed every explore_every rounds
+        self.sizer = context.sizing.ranked(config.max_nodes, config.explore_every)
+        self.calibration = self.sizer.stats
         self._loaded = self._load_memory()  # the memory file's requests, what forget() returns to
         self.memory = self._memory_of(self._loaded)
         self.request = SuffixIndex(self.depth)
         self._indexed = 0  # tokens of the request in self.request
-        self._pass_seconds = PassSeconds(context.cost_curve, config.max_nodes + 1)
-        self._probe = Probe(config.explore_every)  # rounds where candidates existed but no draft paid
         self._keys: list[tuple] | None = None  # the last draft's node keys
         self.sizes: dict[int, int] = {}  # nodes per round -> rounds
         self.matched = {REQUEST: 0, MEMORY: 0}  # rounds where each source had a match
@@ -235,8 +233,7 @@ class SuffixProposer(Proposer):
         the number that maximises expected tokens per second, possibly none."""
         if not self.config.adaptive:
             return min(len(values), self.config.max_nodes)
-        size, _ = best_size(values, self._pass_seconds(), self.sizer.mean_draft_seconds, allow_empty=True)
-        return self._probe(None, size)
+        return self.sizer.choose(values)
 
     # ------------------------------------------------------------------ memory
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specdec.decoders.engine.registry import default_sizing
 from specdec.decoders.models.cost import CostCurve, fixed_by_environment
 from specdec.decoders.models.loading import ModelConfig, cache_dir
 from specdec.decoders.models.target import Target, as_target
@@ -24,10 +26,15 @@ class PipelineContext:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     artifacts_dir: Path = field(default_factory=lambda: Path("artifacts"))
     fixed_cost_curve: CostCurve | None = None  # given: used instead of the measured T(n)
+    # how big a draft is: the pipeline's SizingPolicy (decoders/sizing/policy.py), whose
+    # sizers proposers take (``context.sizing.chain(k)``); None: the default policy over cost_curve
+    sizing: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.target, torch.nn.Module):  # a bare module runs its passes as they are
             self.target = as_target(self.target)
+        if self.sizing is None:
+            self.sizing = default_sizing(lambda: self.cost_curve())  # looked up when read
 
     @property
     def target_key(self) -> str:

@@ -31,7 +31,7 @@ from specdec.decoders.engine.decoding import (
     default_verifier,
 )
 from specdec.decoders.engine.proposer import Proposer
-from specdec.decoders.engine.registry import build, proposer_registry, round_gate_class, verifier_registry
+from specdec.decoders.engine.registry import build, proposer_registry, verifier_registry
 from specdec.decoders.engine.sampling import SamplingConfig
 from specdec.decoders.engine.verifier import Verifier
 from specdec.decoders.models.architecture import UnsupportedArchitectureError
@@ -68,14 +68,23 @@ class Pipeline:
         cost_curve: CostCurve | None = None,
         round_gate: bool = False,
         constraint: ConstraintSpec | None = None,
+        sizing: Any = None,
     ) -> None:
         # a bare module runs its passes as they are; a loaded model comes as its Target
         self.target = as_target(model)
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingConfig()
+        # sizing: how big every draft is (decoders/sizing/policy.py; None: the default policy),
+        # which the proposers reach through their context
         self.context = PipelineContext(
-            self.target, tokenizer, model_config or ModelConfig(name="hf"), Path(artifacts_dir), cost_curve
+            self.target,
+            tokenizer,
+            model_config or ModelConfig(name="hf"),
+            Path(artifacts_dir),
+            cost_curve,
+            sizing,
         )
+        self.sizing = self.context.sizing
         # first: a model whose attention the session cannot serve is refused before anything loads
         self.session = self.target.session()
         self.proposer: Proposer | None = self._component(proposer, proposer_registry, Proposer)
@@ -99,7 +108,7 @@ class Pipeline:
         # itself, drafting cost included, and is never gated.
         self.round_gate = round_gate
         gated = self.round_gate and self.proposer is not None and not self.proposer.drafts_in_target
-        self.gate: RoundGate | None = round_gate_class()(self.context.cost_curve) if gated else None
+        self.gate: RoundGate | None = self.sizing.round_gate() if gated else None
         self.label: str | None = None  # a name for results tables (default proposer+verifier)
         self._grammar_vocabulary: GrammarVocabulary | None = None  # built on the first constraint
         # every request's constraint unless it brings its own (None: unconstrained)
@@ -151,6 +160,7 @@ class Pipeline:
             cost_curve=self.context.fixed_cost_curve,
             round_gate=self.round_gate if round_gate is None else round_gate,
             constraint=self.default_constraint,
+            sizing=self.sizing,
         )
 
     def _component(self, spec: ComponentSpec | None, registry, base: type) -> Any:

@@ -267,10 +267,11 @@ def register_verifier(name: str) -> Callable[[type[T]], type[T]]:
     return verifier_registry.register(name)
 
 
-ROUND_GATE_MODULE = "specdec.decoders.sizing.round_gate"
+SIZING_MODULE = "specdec.decoders.sizing.policy"
 
 
-def round_gate_class() -> type:
-    """The round gate (``decoders/sizing/round_gate.py``), reached by module name like the
-    built-in proposers: the sizing layer sits above the engine that uses it."""
-    return importlib.import_module(ROUND_GATE_MODULE).RoundGate
+def default_sizing(cost_curve: Callable[[], Any]) -> Any:
+    """A pipeline's sizing policy unless it is given one (``decoders/sizing/policy.py``:
+    every draft's size and the round gate), reached by module name like the built-in
+    proposers: the sizing layer sits above the engine that uses it."""
+    return importlib.import_module(SIZING_MODULE).SizingPolicy(cost_curve)

@@ -48,7 +48,7 @@ from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.sampling import check_finite
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.sizing.acceptance import CONFIDENCE_BUCKETS, AcceptanceStats, confidence_bucket
-from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size
+from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size, check_budget
 
 # expand(frontier, rows, parents, depth) -> (len(frontier), n) logits of the children of the
 # frontier nodes (all at ``depth``); rows/parents describe every candidate grown so far (rows
@@ -159,8 +159,7 @@ class DynamicTree(Sizer):
         super().__init__()
         if width < 1:
             raise ValueError(f"proposer.tree_width must be >= 1, got {width}")
-        if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
-            raise ValueError(f"proposer.tree_budget must be a positive integer, auto or null, got {budget!r}")
+        check_budget(budget)
         self.width = width
         self.depth = depth
         self.budget = budget

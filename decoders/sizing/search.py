@@ -62,6 +62,13 @@ def best_size(
     return best, best_rate
 
 
+def check_budget(budget: object) -> object:
+    """A ``tree_budget`` option: a positive integer, ``auto`` or null (every node)."""
+    if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
+        raise ValueError(f"proposer.tree_budget must be a positive integer, auto or null, got {budget!r}")
+    return budget
+
+
 def survival(rates: list[float]) -> list[float]:
     """A chain's node values: node d is accepted only if every node before it is."""
     values, survive = [], 1.0

@@ -22,9 +22,6 @@ from specdec.decoders.engine.proposer import Proposer, constrained_rows, draft_t
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite
 from specdec.decoders.models.session import ModelSession
-from specdec.decoders.sizing.acceptance import confidence_bucket
-from specdec.decoders.sizing.draft_length import DraftLengthPolicy
-from specdec.decoders.sizing.dynamic_tree import DynamicTree
 from specdec.proposers.copy_attention import ContextMemory, drafting_log_probs
 from specdec.proposers.eagle.artifact import CONFIG_FILE, load_artifact
 from specdec.proposers.eagle.drafter import check_llama_style, target_features
@@ -85,13 +82,11 @@ class EagleProposer(Proposer):
         self.session = ModelSession(self.drafter)
         self.token_ids = self.drafter.vocabulary.token_ids.to(self.drafter.device)  # (n,) row -> token id
         self.dynamic = (
-            DynamicTree(config.tree_width, config.k, config.tree_budget, context.cost_curve)
+            context.sizing.dynamic_tree(config.tree_width, config.k, config.tree_budget)
             if config.tree
             else None
         )
-        self.policy = (
-            DraftLengthPolicy(config.k, context.cost_curve) if config.adaptive and not config.tree else None
-        )
+        self.policy = context.sizing.chain(config.k) if config.adaptive and not config.tree else None
         self._fed = 0  # committed positions in the draft's cache (fed with the target's features)
         self.memory: ContextMemory | None = None  # a drafter with a pointer: the request's context
 
@@ -170,7 +165,7 @@ class EagleProposer(Proposer):
     def _draft_chain(self, logits: torch.Tensor, previous: torch.Tensor, state) -> Draft:
         length = self.config.k
         if self.policy is not None:  # the cut depends on q only: sampling stays lossless
-            key = confidence_bucket(float(torch.softmax(logits.float(), -1).max()))
+            key = self.context.sizing.confidence(float(torch.softmax(logits.float(), -1).max()))
             length = self.policy.choose(key, self.config.k)
             if length == 0:
                 return Draft.empty()

@@ -50,11 +50,7 @@ from specdec.decoders.engine.files import readable_artifact
 from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite, processed_probs
-from specdec.decoders.sizing.acceptance import confidence_bucket
-from specdec.decoders.sizing.draft_length import DraftLengthPolicy
-from specdec.decoders.sizing.dynamic_tree import DynamicTree
-from specdec.decoders.sizing.search import Sizer
-from specdec.decoders.sizing.tree_budget import TreeBudget
+from specdec.decoders.sizing.policy import SizingPolicy
 from specdec.proposers.copy_attention import ContextMemory
 from specdec.proposers.medusa.artifact import CONFIG_FILE, load_artifact
 from specdec.proposers.medusa.heads import MedusaHeads
@@ -130,6 +126,19 @@ class _HeadOutputs:
             self.states[node], self.logits[node] = states[i], logits[i]
 
 
+def _check_options(config) -> None:
+    """The options whose values are a closed set, checked before anything loads."""
+    if config.when_sampling not in ("sampled_tree", "point_masses"):
+        raise ValueError(
+            f"proposer.when_sampling must be sampled_tree or point_masses, got {config.when_sampling!r}"
+        )
+    if config.sibling_sampling not in ("without_replacement", "iid"):
+        raise ValueError(
+            f"proposer.sibling_sampling must be without_replacement or iid, got {config.sibling_sampling!r}"
+        )
+    SizingPolicy.check_budget(config.tree_budget)
+
+
 @register_proposer("medusa")
 class MedusaProposer(Proposer):
     artifact = "medusa"
@@ -163,6 +172,30 @@ class MedusaProposer(Proposer):
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
+        _check_options(config)
+        directory = self._load_heads(config, context)
+        self.dynamic = (
+            context.sizing.dynamic_tree(config.tree_width, self.num_heads, config.tree_budget)
+            if config.tree == "dynamic"
+            else None
+        )
+        choices = self._tree_choices(config, directory)
+        self.tree = None if choices is None else build_tree(choices, self.num_heads)
+        self._choices = [list(c) for c in choices or []]  # in order of expected acceptance
+        self._trees = {tuple(map(tuple, self._choices)): self.tree}  # rank paths -> (depths, ranks, parents)
+        self._paths = tuple(map(tuple, self._choices))  # the rank paths of the last tree drafted
+        # the sizers, from the pipeline's policy: a static tree's budget, a chain's length
+        auto = config.tree_budget == "auto" and self.tree is not None
+        self.tuner = context.sizing.static_tree(len(self._choices)) if auto else None
+        chain = config.adaptive and self.tree is None and self.dynamic is None
+        self.policy = context.sizing.chain(self.num_heads) if chain else None
+        # the sizer of the shape drafted last (None: a fixed size), which learns from its round;
+        # a dynamic tree's rounds drafted as a sampled tree go to the tuner
+        self.sizer = self.dynamic or self.tuner or self.policy
+        self.memory: ContextMemory | None = None  # copy heads: the request's committed context
+
+    def _load_heads(self, config: Config, context) -> Path:
+        """Load the artifact's heads (routed as the target's passes are); their directory."""
         directory = Path(config.path) if config.path else context.artifact_path(self.artifact)
         if not (directory / CONFIG_FILE).exists():
             raise FileNotFoundError(
@@ -184,47 +217,18 @@ class MedusaProposer(Proposer):
                 f"proposer.num_heads must be between 1 and the artifact's {self.heads.num_heads} heads, "
                 f"got {config.num_heads}"
             )
-        self.dynamic = (
-            DynamicTree(config.tree_width, self.num_heads, config.tree_budget, context.cost_curve)
-            if config.tree == "dynamic"
-            else None
-        )
-        if config.when_sampling not in ("sampled_tree", "point_masses"):
-            raise ValueError(
-                f"proposer.when_sampling must be sampled_tree or point_masses, got {config.when_sampling!r}"
-            )
-        # a dynamic tree's shape when sampling: the artifact's tree (none: the dynamic tree)
-        sampled_shape = self.dynamic is not None and config.when_sampling == "sampled_tree"
-        choices = self.meta.get("tree") if config.tree == "auto" else None if self.dynamic else config.tree
-        if sampled_shape and self.meta.get("tree"):  # as deep as the heads in use
-            choices = [path for path in self.meta["tree"] if len(path) <= self.num_heads]
-        if config.tree == "auto" and not choices:
+        return directory
+
+    def _tree_choices(self, config: Config, directory: Path) -> list | None:
+        """The rank paths of the static tree drafted (None: a chain or the dynamic tree alone):
+        ``tree``'s, or the artifact's (``auto``, and a dynamic tree's shape when sampling)."""
+        stored = self.meta.get("tree")
+        if config.tree == "auto" and not stored:
             raise ValueError(f"proposer.tree=auto, but {directory / CONFIG_FILE} stores no tree")
-        self.tree = None if choices is None else build_tree(choices, self.num_heads)
-        self._choices = [list(c) for c in choices or []]  # in order of expected acceptance
-        self._trees = {tuple(map(tuple, self._choices)): self.tree}  # rank paths -> (depths, ranks, parents)
-        self._paths = tuple(map(tuple, self._choices))  # the rank paths of the last tree drafted
-        if config.sibling_sampling not in ("without_replacement", "iid"):
-            raise ValueError(
-                f"proposer.sibling_sampling must be without_replacement or iid, got {config.sibling_sampling!r}"
-            )
-        budget = config.tree_budget
-        if not (budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1)):
-            raise ValueError(f"proposer.tree_budget must be null, a positive integer or auto, got {budget!r}")
-        self.tuner = (
-            TreeBudget(context.cost_curve, len(self._choices))
-            if budget == "auto" and self.tree is not None
-            else None
-        )
-        self.policy = (
-            DraftLengthPolicy(self.num_heads, context.cost_curve)
-            if config.adaptive and self.tree is None and self.dynamic is None
-            else None
-        )
-        # the sizer of the shape drafted last (None: a fixed size), which learns from its round;
-        # a dynamic tree's rounds drafted as a sampled tree go to the tuner
-        self.sizer: Sizer | None = self.dynamic or self.tuner or self.policy
-        self.memory: ContextMemory | None = None  # copy heads: the request's committed context
+        if self.dynamic is not None:
+            sampled_shape = config.when_sampling == "sampled_tree" and stored
+            return [path for path in stored if len(path) <= self.num_heads] if sampled_shape else None
+        return stored if config.tree == "auto" else config.tree
 
     @property
     def drafts_trees(self) -> bool:
@@ -289,7 +293,7 @@ class MedusaProposer(Proposer):
         length = self.num_heads
         if self.policy is not None:  # the cut depends on q only: sampling stays lossless
             first = torch.softmax(root.float(), -1) if sampling.greedy else processed_probs(root, sampling)
-            key = confidence_bucket(float(first.max()))
+            key = self.context.sizing.confidence(float(first.max()))
             length = self.policy.choose(key, self.num_heads)
             if length == 0:
                 return Draft.empty()

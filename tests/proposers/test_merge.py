@@ -11,7 +11,8 @@ from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import RegistryError, build, proposer_registry
 from specdec.decoders.models.cost import CostCurve
-from specdec.decoders.sizing.search import PassSeconds, Sizer, best_size
+from specdec.decoders.sizing.policy import SizingPolicy
+from specdec.decoders.sizing.search import best_size
 from specdec.proposers.merge import MAX_JOINED_NODES, MergeProposer
 from tests.conftest import CONSTRAINT_ONLY_PROPOSERS, TEXT_PROPOSERS, random_prompts
 
@@ -44,8 +45,7 @@ def merged(*drafts: Draft, joint_curve: CostCurve | None = None) -> tuple[MergeP
     proposer.config = MergeProposer.Config(members=[], joint_budget=joint_curve is not None)
     proposer.members, proposer._drafts, proposer._joined, proposer._seconds = members, [], [], []
     proposer.merged_nodes, proposer.own_nodes, proposer.cut_nodes = 0, [0] * len(members), 0
-    proposer.sizer = Sizer()
-    proposer._pass_seconds = PassSeconds(lambda: joint_curve, MAX_JOINED_NODES + 1)
+    proposer.sizer = SizingPolicy(lambda: joint_curve).ranked(MAX_JOINED_NODES)
     return proposer, members
 
 

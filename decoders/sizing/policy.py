@@ -1,0 +1,124 @@
+"""How big a draft is: the one place that decides it.
+
+The pipeline builds one :class:`SizingPolicy` from its target's T(n) and gives it to its
+proposers as ``context.sizing`` (and to its round gate). A proposer says what it has (its
+candidates and their confidences) and the policy's sizer for that kind of draft answers
+how many to send:
+
+- :meth:`SizingPolicy.chain`: a chain, from the acceptance measured per situation and
+  depth (ngram, span, early exit, chains of heads and EAGLE;
+  :class:`~specdec.decoders.sizing.draft_length.DraftLengthPolicy`);
+- :meth:`SizingPolicy.dynamic_tree`: a tree grown from a drafter's confidence, cut to the
+  nodes that pay (draft model, copy heads, EAGLE;
+  :class:`~specdec.decoders.sizing.dynamic_tree.DynamicTree`);
+- :meth:`SizingPolicy.static_tree`: a fixed tree's budget, re-chosen as rounds accumulate
+  (Medusa's trees; :class:`~specdec.decoders.sizing.tree_budget.TreeBudget`);
+- :meth:`SizingPolicy.ranked`: candidates ranked by estimated value, each prefix a tree
+  (suffix decoding, merge's joined tree; :class:`RankedNodes`);
+- :meth:`SizingPolicy.round_gate`: whether a round drafts at all
+  (:class:`~specdec.decoders.sizing.round_gate.RoundGate`).
+
+Each sizer weighs the expected tokens of a size against its pass with the one search,
+:func:`~specdec.decoders.sizing.search.best_size`. A proposer keeps its sizer (what it
+measured is its own) but builds none itself: replacing the policy (``Pipeline(...,
+sizing=...)``) changes how every proposer of the pipeline sizes its drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.acceptance import AcceptanceStats, confidence_bucket
+from specdec.decoders.sizing.draft_length import DraftLengthPolicy
+from specdec.decoders.sizing.dynamic_tree import DynamicTree, confidence_key
+from specdec.decoders.sizing.round_gate import RoundGate
+from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Probe, Sizer, best_size, check_budget
+from specdec.decoders.sizing.tree_budget import TreeBudget
+
+
+class RankedNodes(Sizer):
+    """Ranked candidates, each with an estimated acceptance probability (best first, each
+    prefix a tree): how many of them to send, possibly none. :attr:`stats` calibrates the
+    estimates for a proposer that keys its nodes (suffix decoding); a probe keeps a
+    situation switched off measured (``explore_every``)."""
+
+    def __init__(
+        self,
+        target_cost: Callable[[], CostCurve],
+        max_nodes: int,
+        explore_every: int | None = None,
+        min_gain: float = MIN_GAIN,
+    ) -> None:
+        super().__init__()
+        self.max_nodes = max_nodes
+        self.min_gain = min_gain
+        self.stats = AcceptanceStats.confident(by_level=True)
+        self._pass_seconds = PassSeconds(target_cost, max_nodes + 1)
+        self._probe = Probe(explore_every) if explore_every else None
+
+    def choose(self, values: list[float], kept: int = 0, kept_tokens: float = 0.0) -> int:
+        """How many of ``values`` (best first) to send beside ``kept`` nodes sent anyway,
+        which are expected to give ``kept_tokens``."""
+        size, _ = best_size(
+            values,
+            self._pass_seconds()[kept:],
+            self.mean_draft_seconds,
+            min_gain=self.min_gain,
+            allow_empty=True,
+            base_tokens=1.0 + kept_tokens,
+        )
+        return self._probe(None, size) if self._probe is not None else size
+
+
+class SizingPolicy:
+    """Every sizer of one pipeline, built over its target's T(n) (``cost_curve``, read on
+    first use). See the module."""
+
+    def __init__(self, cost_curve: Callable[[], CostCurve], min_gain: float = MIN_GAIN) -> None:
+        self.cost_curve = cost_curve
+        self.min_gain = min_gain
+
+    def chain(self, max_len: int, explore_every: int = 16) -> DraftLengthPolicy:
+        """A chain's length, 0 .. ``max_len``, per situation (``choose(key, available)``)."""
+        return DraftLengthPolicy(max_len, self.cost_curve, explore_every, self.min_gain)
+
+    def dynamic_tree(self, width: int, depth: int, budget: Any) -> DynamicTree:
+        """A tree of ``depth`` levels, ``width`` children per node, grown from the drafter's
+        confidence and cut to ``budget`` nodes (an int), the nodes that pay (``"auto"``) or
+        none (null)."""
+        return DynamicTree(width, depth, check_budget(budget), self.cost_curve, self.min_gain)
+
+    def static_tree(self, max_nodes: int, every: int = 32) -> TreeBudget:
+        """A fixed tree of ``max_nodes`` rank paths: the best prefix, re-chosen every ``every`` rounds."""
+        return TreeBudget(self.cost_curve, max_nodes, every, self.min_gain)
+
+    def ranked(self, max_nodes: int, explore_every: int | None = None) -> RankedNodes:
+        """Up to ``max_nodes`` candidates ranked by estimated value."""
+        return RankedNodes(self.cost_curve, max_nodes, explore_every, self.min_gain)
+
+    def round_gate(self) -> RoundGate:
+        """Whether each round drafts at all, from what the drafted rounds gave and cost."""
+        return RoundGate(self.cost_curve)
+
+    def pass_seconds(self, max_tokens: int) -> PassSeconds:
+        """T(1) .. T(max_tokens), non-decreasing: for a proposer that prices its own drafting
+        in passes of the target (early exit)."""
+        return PassSeconds(self.cost_curve, max_tokens)
+
+    @staticmethod
+    def check_budget(budget: Any) -> Any:
+        """A ``tree_budget`` option: a positive integer, ``auto`` or null (every node)."""
+        return check_budget(budget)
+
+    # The situation keys sizers count acceptance under, from a drafter's probabilities.
+    @staticmethod
+    def confidence(probability: float) -> int:
+        """A chain's situation: the drafter's probability of its first token, bucketed."""
+        return confidence_bucket(probability)
+
+    @staticmethod
+    def node_key(depth: int, probability: float) -> tuple[int, int]:
+        """A node's situation: its depth and its drafter probability, bucketed."""
+        return confidence_key(depth, probability)
