@@ -98,9 +98,7 @@ def test_a_policy_given_to_the_pipeline_sizes_its_drafts(proposer, tiny_model, t
             model, tokenizer, proposer, "greedy", model_config=tiny_config, max_new_tokens=48,
             sizing=SizingPolicy(lambda curve=curve: curve),
         )  # fmt: skip
-        proposed[name] = sum(
-            pipeline.generate(prompt).stats.proposed for prompt in random_prompts(3, seed=4)
-        )
+        proposed[name] = sum(pipeline.generate(prompt).stats.proposed for prompt in random_prompts(3, seed=4))
     assert proposed["flat"] > 20
     assert proposed["steep"] <= proposed["flat"] / 4
 
