@@ -142,6 +142,21 @@ class StopConditions:
 
 
 @dataclass
+class PlannedRound:
+    """A round between its two halves (:meth:`Decoding.plan`, :meth:`Decoding.settle`)."""
+
+    drafting: bool  # the proposer was asked (not a round the gate kept plain)
+    proposed: Draft  # the proposer's draft, as it drafted it
+    draft: Draft  # what the target verifies: cut to the grammar, the budget and the pass
+    block: list[int]  # the pass's tokens: the pending token, then the draft's
+    parents: list[int] | None  # the block's tree (None: a chain)
+    block_start: int  # the session's length before the pass
+    tick: float  # when drafting started
+    tock: float  # when drafting ended
+    timing: object | None  # the target's live pass times, if followed
+
+
+@dataclass
 class GenerationOutput:
     tokens: list[int]  # generated tokens (prompt excluded)
     stats: GenerationStats
@@ -273,12 +288,22 @@ class Decoding:
     def step(self) -> None:
         """One round: draft, one target pass over the pending token and the draft,
         verify, keep the accepted path, tell the proposer."""
+        planned = self.plan()
+        tock = time.perf_counter()
+        if not planned.drafting:
+            target_logits = self.target.forward(planned.block, planned.parents)  # (n + 1, vocab)
+        else:  # the proposer may reuse work done while drafting (default: target.forward)
+            target_logits = self.proposer.verify_forward(self.target, planned.block, planned.parents)  # type: ignore[union-attr]
+        self.settle(planned, target_logits, time.perf_counter() - tock)
+
+    def plan(self, room: int | None = None) -> PlannedRound:
+        """The round's first half: the draft (cut to the grammar, the token budget, exact
+        mode's widest pass and ``room`` tokens in all, pending token included) and the block
+        the target's pass takes. A batch plans every request's round, runs one pass over
+        their blocks, then :meth:`settle` s each."""
         if self.done:
             raise RuntimeError("this request is finished")
-        target, proposer, verifier, state, stats = (
-            self.target, self.proposer, self.verifier, self.state, self.stats
-        )  # fmt: skip
-        output = self.tokens
+        target, proposer, verifier, state = self.target, self.proposer, self.verifier, self.state
         tick = time.perf_counter()
         timing = self._pass_times()
         if timing is not None:  # the sizing reads T(n) after this many tokens
@@ -289,36 +314,47 @@ class Decoding:
         else:
             if proposer is not None:  # a round the gate keeps plain
                 proposer.skip(state)
-                stats.gated_rounds += 1
+                self.stats.gated_rounds += 1
             proposed = Draft.empty()
         draft = proposed
         if self.grammar is not None and drafting:  # no node the grammar rejects; its forced tokens added
             draft = self.grammar.prune(draft)
             draft = self.grammar.extend_forced(draft, self.grammar.constraint.forced_per_leaf)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
-        budget = self.stop.max_new_tokens - len(output)
+        budget = self.stop.max_new_tokens - len(self.tokens)
         draft = draft.truncated(budget - 1)
         if self.widest is not None:
             draft = draft.limited(self.widest - 1)
+        if room is not None:
+            draft = draft.limited(max(room - 1, 0))
         draft = verifier.prepare(draft)
-        tock = time.perf_counter()
-
-        block_start = len(target)
         parents = None if draft.is_chain else [-1] + [p + 1 for p in draft.parents]
         block = [state.tokens[-1]] + draft.tokens
-        if not drafting:
-            target_logits = target.forward(block, parents)  # (n + 1, vocab)
-        else:  # the proposer may reuse work done while drafting (default: target.forward)
-            target_logits = proposer.verify_forward(target, block, parents)
+        return PlannedRound(
+            drafting, proposed, draft, block, parents, len(target), tick, time.perf_counter(), timing
+        )
+
+    def settle(self, planned: PlannedRound, target_logits, pass_seconds: float, timed: bool = True) -> None:
+        """The round's second half, given the target's logits over the planned block: verify,
+        keep the accepted path, emit, tell the proposer. ``timed``: whether the pass is this
+        request's alone (its seconds then teach the live T(n); a batch's pass is recorded
+        once, by the batch)."""
+        target, proposer, verifier, state, stats = (
+            self.target, self.proposer, self.verifier, self.state, self.stats
+        )  # fmt: skip
+        output, draft, drafting, tick, tock = (
+            self.tokens, planned.draft, planned.drafting, planned.tick, planned.tock
+        )  # fmt: skip
         check_finite(target_logits, "target's verification pass")
         if self.grammar is not None:  # the constrained target: forbidden tokens at -inf, row by row
             target_logits = self.grammar.constrain(draft, target_logits)
         acceptance: Acceptance = verifier.verify(draft, target_logits, self.sampling, self.generator)
         state.committed_rows = [0] + [node + 1 for node in acceptance.path]
-        target.keep(block_start, state.committed_rows)
+        target.keep(planned.block_start, state.committed_rows)
         state.hidden = target.hidden
         state.hidden_row = state.committed_rows[-1]
-        verified = time.perf_counter()
+        verify_seconds = pass_seconds + (time.perf_counter() - tock - pass_seconds if timed else 0.0)
+        settled = time.perf_counter()
 
         new, self.done = self.stop.cut(output, acceptance.tokens)
         output.extend(new)
@@ -330,26 +366,25 @@ class Decoding:
         stats.accepted += acceptance.num_accepted
         stats.draft_sizes.append(len(draft))
         stats.emitted_per_round.append(len(new))
-        stats.verify_time += verified - tock
+        stats.verify_time += verify_seconds
         stats.draft_time += tock - tick
         # timing starts when the first sizer reads T(n)
-        if self.timed and (timing := timing or self._pass_times()) is not None:
-            timing.at_context(block_start)  # (a sizer may have started the timing in this round)
-            timing.record(len(block), verified - tock)
+        timing = planned.timing
+        if timed and self.timed and (timing := timing or self._pass_times()) is not None:
+            timing.at_context(planned.block_start)  # (a sizer may have started the timing in this round)
+            timing.record(len(planned.block), verify_seconds)
         if self.on_tokens:
             self.on_tokens(new)
         observe_seconds = 0.0
         if drafting and not self.done:
             observing = time.perf_counter()
-            proposer.observe(state, _round(proposed, draft, acceptance, tock - tick, verified - tock))  # type: ignore[union-attr]
+            proposer.observe(state, _round(planned.proposed, draft, acceptance, tock - tick, verify_seconds))  # type: ignore[union-attr]
             observe_seconds = time.perf_counter() - observing
             stats.observe_time += observe_seconds
             stats.draft_time += observe_seconds
         if drafting and self.gate is not None:
-            self.gate.record(
-                tock - tick + observe_seconds, verified - tock, len(new), acceptance.num_accepted
-            )
-        stats.wall_time += time.perf_counter() - tick
+            self.gate.record(tock - tick + observe_seconds, verify_seconds, len(new), acceptance.num_accepted)
+        stats.wall_time += (tock - tick) + verify_seconds + (time.perf_counter() - settled)
 
     def output(self) -> GenerationOutput:
         """The generated tokens and the stats, once done (the proposer is told it ended)."""

@@ -51,6 +51,15 @@ class GenerationResult:
     stats: GenerationStats
 
 
+@dataclass
+class BatchResult:
+    """:meth:`Pipeline.generate_batch`'s results, in the order of its prompts, and what the
+    batch measured as a whole (wall time, passes, rows per pass, latencies)."""
+
+    results: list[GenerationResult]
+    stats: Any  # specdec.decoders.engine.batch.BatchStats
+
+
 class Pipeline:
     def __init__(
         self,
@@ -236,7 +245,53 @@ class Pipeline:
         """A request decoded a round at a time: prefilled, then ``step()`` it until
         ``done`` and pass it to :meth:`result`. Requests of different pipelines can be
         stepped in turn (each pipeline has a KV cache of its own); one pipeline decodes
-        one request at a time."""
+        one request at a time (several at once: :meth:`generate_batch`)."""
+        return self._decoding(
+            prompt, max_new_tokens, seed, on_tokens, constraint, self.session, self.proposer
+        )
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int] | Sequence[dict]],
+        max_new_tokens: int | None = None,
+        *,
+        batch_size: int | None = None,
+        seeds: Sequence[int | None] | None = None,
+        constraints: Sequence[ConstraintSpec | None] | None = None,
+        arrivals: Sequence[float] | None = None,
+    ) -> BatchResult:
+        """Decode ``prompts`` together, at most ``batch_size`` at once (default: all), one
+        target pass per round over every request's pending token and draft
+        (:mod:`specdec.decoders.engine.batch`). Each request's output is the one
+        :meth:`generate` gives it alone. ``arrivals``: seconds after the start at which each
+        request arrives (continuous batching: it joins once a place is free).
+        Results in the order of ``prompts``, with the batch's own measures."""
+        from specdec.decoders.engine.batch import check_batchable, decode_batch
+
+        check_batchable(self.proposer, self.gate)
+        count = len(prompts)
+        seeds = list(seeds) if seeds is not None else [None] * count
+        constraints = list(constraints) if constraints is not None else [None] * count
+        for name, values in (("seeds", seeds), ("constraints", constraints)):
+            if len(values) != count:
+                raise ValueError(f"{name} has {len(values)} entries for {count} prompts")
+        results: list[GenerationResult | None] = [None] * count
+
+        def start(i: int, session, proposer) -> Decoding:
+            return self._decoding(
+                prompts[i], max_new_tokens, seeds[i], None, constraints[i], session, proposer
+            )
+
+        def done(i: int, decoding: Decoding) -> None:
+            results[i] = self.result(decoding)
+
+        stats = decode_batch(
+            start, count, min(batch_size or count, max(count, 1)), self.target.session, self.proposer,
+            self.sizing, arrivals, done,
+        )  # fmt: skip
+        return BatchResult(results, stats)  # type: ignore[arg-type]
+
+    def _decoding(self, prompt, max_new_tokens, seed, on_tokens, constraint, session, proposer) -> Decoding:
         prompt_ids = self.encode(prompt)
         sampling = self.sampling if seed is None else replace(self.sampling, seed=seed)
         stop = StopConditions(
@@ -246,15 +301,7 @@ class Pipeline:
             constraint = self.default_constraint
         grammar = self.constraint(constraint).start() if constraint is not None else None
         return Decoding(
-            self.session,
-            prompt_ids,
-            stop,
-            sampling,
-            self.proposer,
-            self.verifier,
-            on_tokens,
-            self.gate,
-            grammar,
+            session, prompt_ids, stop, sampling, proposer, self.verifier, on_tokens, self.gate, grammar
         )
 
     def constraint(self, spec: ConstraintSpec) -> Constraint:

@@ -37,6 +37,7 @@ registry, the trainer CLI and the bench):
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -110,6 +111,40 @@ class Proposer:
         a replay over recorded outputs (:mod:`specdec.decoders.evaluation.replay`) skips it.
         Final hidden states (``state.hidden``) are not inner layers."""
         return self.drafts_in_target
+
+    @property
+    def batch_refusal(self) -> str | None:
+        """Why this proposer cannot draft for a batch of requests decoded together (None: it
+        can): a batch's pass runs several requests at once, so a proposer that reads the
+        target's inner layers as its pass runs would see them all."""
+        if self.reads_target_layers:
+            return (
+                f"proposer {self.name!r} reads the target's inner layers as its pass runs, and a "
+                "batch's pass runs several requests at once: decode its requests one at a time"
+            )
+        return None
+
+    def for_request(self) -> Proposer:
+        """This proposer for one more request decoded at the same time (a batch): what it
+        shares across requests (its config, its drafter's weights, its memory of earlier
+        requests, the acceptance its sizers measure) is shared; what belongs to one request
+        is its own. Attributes that know how to serve another request (``for_request``: a
+        session, a sizer) are forked once each (aliases stay aliases), lists of member
+        proposers are forked member by member; per-request state set in :meth:`begin` is
+        the copy's own from its first request."""
+        other = copy.copy(self)
+        forked: dict[int, Any] = {}
+        for name, value in vars(self).items():
+            if name == "context":
+                continue
+            fork = getattr(value, "for_request", None)
+            if callable(fork) and not isinstance(value, type):
+                if id(value) not in forked:
+                    forked[id(value)] = fork()
+                setattr(other, name, forked[id(value)])
+            elif isinstance(value, list) and value and all(isinstance(v, Proposer) for v in value):
+                setattr(other, name, [member.for_request() for member in value])
+        return other
 
     def begin(self, state: DecodeState) -> None:
         """Reset per-request state."""

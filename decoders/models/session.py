@@ -58,6 +58,10 @@ class ModelSession:
         self.alibi = uses_alibi(model)
         self.reset()
 
+    def for_request(self) -> ModelSession:
+        """A fresh session over the same model, for another request decoded at the same time."""
+        return ModelSession(self.model, target=self.target)
+
     def reset(self) -> None:
         self.cache = growing_cache(self.model.config)
         self.cached: list[int] = []  # token ids whose KV entries are in the cache

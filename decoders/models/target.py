@@ -9,7 +9,9 @@ that model computes:
 * its cost, T(n): the cached or measured curve (:meth:`cost_curve`) and the live
   times of the passes the decode loop makes (:meth:`pass_times`, one per pass mode);
 * the layer taps drafters read the target's intermediate layers through
-  (:meth:`tap`), whose forward hooks it installs and removes.
+  (:meth:`tap`), whose forward hooks it installs and removes;
+* packed passes over several requests' sessions (:meth:`packed_forward`, a batch's
+  round: :mod:`specdec.decoders.models.batch`).
 
 Nothing is stored on the ``nn.Module`` itself or in module globals: a routed linear
 changes class (to its route's subclass of ``nn.Linear``, parameters untouched), and
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.decoders.models.batch import BatchLayout, check_batchable, packed_attention, packed_forward
 from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
 from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
 from specdec.decoders.models.exact_attention import TailLayouts, exact_attention
@@ -67,7 +70,9 @@ class Target:
         self._attention_names = {
             "exact": f"specdec_exact_{serial}",
             "packed": f"specdec_sdpa_{serial}",
+            "batch": f"specdec_batch_{serial}",
         }
+        self._batch_layout = BatchLayout()  # the packed attention's view of the pass running
         self._registered: list[str] = []
         self._tap: LayerTap | None = None
         self._pass_times: dict[bool, PassTimes] = {}  # by exact mode
@@ -151,6 +156,37 @@ class Target:
         """A fresh session (one request's KV cache) over this target."""
         return ModelSession(self.model, target=self)
 
+    def packed_forward(
+        self,
+        sessions: list[ModelSession],
+        blocks: list[list[int]],
+        parents: list[list[int] | None],
+    ) -> list[torch.Tensor]:
+        """One pass over several requests: each block (a chain, or a tree by ``parents`` as in
+        :meth:`ModelSession.forward`) appended to its own session; each block's logits.
+        Attention runs per request with the function a request alone would run."""
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        for session in sessions:
+            check_batchable(session)
+        config = self.model.config
+        alone = config._attn_implementation
+        inner = _attention_function(self.model, alone)
+        name = self._attention_names["batch"]
+        if name not in self._registered:
+            AttentionInterface.register(name, functools.partial(packed_attention, layout=self._batch_layout))
+            ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+            self._registered.append(name)
+        configs = _attention_configs(self.model)
+        for each in configs:  # for this pass only (set_attn_implementation would re-check the model)
+            each._attn_implementation = name
+        try:
+            return packed_forward(self.decoder(), sessions, blocks, parents, self._batch_layout, inner)
+        finally:
+            for each in configs:
+                each._attn_implementation = alone
+
     def close(self) -> None:
         """Remove everything this target installed on its model: routes, attention, hooks."""
         unroute_linears(self.model)
@@ -229,6 +265,28 @@ class Target:
         if self.exact not in self._pass_times and base is not None:
             self._pass_times[self.exact] = PassTimes(base)
         return self._pass_times.get(self.exact)
+
+
+def _attention_function(model: torch.nn.Module, name: str | None):
+    """The attention function ``model``'s passes run under implementation ``name``."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name in (None, "eager"):  # the modelling module's own
+        attention = next(m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling"))
+        return sys.modules[type(attention).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _attention_configs(model: torch.nn.Module) -> list:
+    """The configs whose ``_attn_implementation`` the model's attention layers read."""
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            configs[id(config)] = config
+    return list(configs.values())
 
 
 def _unregister(names: list[str]) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable
 from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.sizing.acceptance import AcceptanceStats
-from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Probe, Sizer, best_size, survival
+from specdec.decoders.sizing.search import MIN_GAIN, Beside, PassSeconds, Probe, Sizer, best_size, survival
 
 
 class DraftLengthPolicy(Sizer):
@@ -35,12 +35,13 @@ class DraftLengthPolicy(Sizer):
         target_cost: Callable[[], CostCurve],
         explore_every: int = 16,
         min_gain: float = MIN_GAIN,
+        beside: Beside | None = None,
     ) -> None:
         super().__init__()
         self.max_len = max_len
         self.min_gain = min_gain
         self.stats = AcceptanceStats.optimistic()
-        self._pass_seconds = PassSeconds(target_cost, max_len + 1)
+        self._pass_seconds = PassSeconds(target_cost, max_len + 1, beside)
         self._probe = Probe(explore_every)
         self._key: Hashable = None  # the situation of the last choice
 
@@ -68,6 +69,7 @@ class DraftLengthPolicy(Sizer):
             seconds_per_node=draft_seconds_per_token,
             min_gain=self.min_gain,
             allow_empty=True,
+            base_tokens=self._pass_seconds.base_tokens,
         )
         return self._probe(key, length)
 

@@ -48,7 +48,7 @@ from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.sampling import check_finite
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.sizing.acceptance import CONFIDENCE_BUCKETS, AcceptanceStats, confidence_bucket
-from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size, check_budget
+from specdec.decoders.sizing.search import MIN_GAIN, Beside, PassSeconds, Sizer, best_size, check_budget
 
 # expand(frontier, rows, parents, depth) -> (len(frontier), n) logits of the children of the
 # frontier nodes (all at ``depth``); rows/parents describe every candidate grown so far (rows
@@ -155,6 +155,7 @@ class DynamicTree(Sizer):
         budget: Any,
         target_cost: Callable[[], CostCurve],
         min_gain: float = MIN_GAIN,
+        beside: Beside | None = None,
     ) -> None:
         super().__init__()
         if width < 1:
@@ -165,7 +166,7 @@ class DynamicTree(Sizer):
         self.budget = budget
         self.min_gain = min_gain
         self.stats = AcceptanceStats.confident()  # keys: confidence_key(depth, probability)
-        self._pass_seconds = PassSeconds(target_cost, self.max_nodes + 1)
+        self._pass_seconds = PassSeconds(target_cost, self.max_nodes + 1, beside)
         self._keys: list[tuple[int, int]] | None = None  # keys of the last tree's nodes
         self._expand_seconds = 0.0  # summed over every expand call
         self._expands = 0
@@ -254,7 +255,11 @@ class DynamicTree(Sizer):
     def _best(self, values: list[float], extra_seconds: float = 0.0) -> tuple[int, float]:
         """(n, expected tokens per second) of the best n-node tree, ``values`` in descending order."""
         return best_size(
-            values, self._pass_seconds(), self.mean_draft_seconds + extra_seconds, min_gain=self.min_gain
+            values,
+            self._pass_seconds(),
+            self.mean_draft_seconds + extra_seconds,
+            min_gain=self.min_gain,
+            base_tokens=self._pass_seconds.base_tokens,
         )
 
     def observe(self, round: Round) -> None:

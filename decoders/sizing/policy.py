@@ -34,7 +34,15 @@ from specdec.decoders.sizing.acceptance import AcceptanceStats, confidence_bucke
 from specdec.decoders.sizing.draft_length import DraftLengthPolicy
 from specdec.decoders.sizing.dynamic_tree import DynamicTree, confidence_key
 from specdec.decoders.sizing.round_gate import RoundGate
-from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Probe, Sizer, best_size, check_budget
+from specdec.decoders.sizing.search import (
+    MIN_GAIN,
+    Beside,
+    PassSeconds,
+    Probe,
+    Sizer,
+    best_size,
+    check_budget,
+)
 from specdec.decoders.sizing.tree_budget import TreeBudget
 
 
@@ -50,12 +58,13 @@ class RankedNodes(Sizer):
         max_nodes: int,
         explore_every: int | None = None,
         min_gain: float = MIN_GAIN,
+        beside: Beside | None = None,
     ) -> None:
         super().__init__()
         self.max_nodes = max_nodes
         self.min_gain = min_gain
         self.stats = AcceptanceStats.confident(by_level=True)
-        self._pass_seconds = PassSeconds(target_cost, max_nodes + 1)
+        self._pass_seconds = PassSeconds(target_cost, max_nodes + 1, beside)
         self._probe = Probe(explore_every) if explore_every else None
 
     def choose(self, values: list[float], kept: int = 0, kept_tokens: float = 0.0) -> int:
@@ -67,7 +76,7 @@ class RankedNodes(Sizer):
             self.mean_draft_seconds,
             min_gain=self.min_gain,
             allow_empty=True,
-            base_tokens=1.0 + kept_tokens,
+            base_tokens=self._pass_seconds.base_tokens + kept_tokens,
         )
         return self._probe(None, size) if self._probe is not None else size
 
@@ -79,24 +88,32 @@ class SizingPolicy:
     def __init__(self, cost_curve: Callable[[], CostCurve], min_gain: float = MIN_GAIN) -> None:
         self.cost_curve = cost_curve
         self.min_gain = min_gain
+        self._beside = Beside()  # read by every sizer handed out (a batch's other rows)
+
+    def beside(self, rows: int, tokens: float) -> None:
+        """The rest of the pass the next draft joins: ``rows`` of other requests, expected
+        to yield ``tokens`` (a batch tells it before each request drafts; alone: 0, 0).
+        Every sizer then weighs a draft by the whole pass's tokens per second: its nodes
+        priced at T(rows + 1 + n), its tokens added to the others'."""
+        self._beside.rows, self._beside.tokens = rows, tokens
 
     def chain(self, max_len: int, explore_every: int = 16) -> DraftLengthPolicy:
         """A chain's length, 0 .. ``max_len``, per situation (``choose(key, available)``)."""
-        return DraftLengthPolicy(max_len, self.cost_curve, explore_every, self.min_gain)
+        return DraftLengthPolicy(max_len, self.cost_curve, explore_every, self.min_gain, self._beside)
 
     def dynamic_tree(self, width: int, depth: int, budget: Any) -> DynamicTree:
         """A tree of ``depth`` levels, ``width`` children per node, grown from the drafter's
         confidence and cut to ``budget`` nodes (an int), the nodes that pay (``"auto"``) or
         none (null)."""
-        return DynamicTree(width, depth, check_budget(budget), self.cost_curve, self.min_gain)
+        return DynamicTree(width, depth, check_budget(budget), self.cost_curve, self.min_gain, self._beside)
 
     def static_tree(self, max_nodes: int, every: int = 32) -> TreeBudget:
         """A fixed tree of ``max_nodes`` rank paths: the best prefix, re-chosen every ``every`` rounds."""
-        return TreeBudget(self.cost_curve, max_nodes, every, self.min_gain)
+        return TreeBudget(self.cost_curve, max_nodes, every, self.min_gain, self._beside)
 
     def ranked(self, max_nodes: int, explore_every: int | None = None) -> RankedNodes:
         """Up to ``max_nodes`` candidates ranked by estimated value."""
-        return RankedNodes(self.cost_curve, max_nodes, explore_every, self.min_gain)
+        return RankedNodes(self.cost_curve, max_nodes, explore_every, self.min_gain, self._beside)
 
     def round_gate(self) -> RoundGate:
         """Whether each round drafts at all, from what the drafted rounds gave and cost."""

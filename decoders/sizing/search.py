@@ -24,8 +24,10 @@ stays lossless) and needs no measurement.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 from specdec.decoders.engine.draft import Round
 from specdec.decoders.models.cost import CostCurve
@@ -78,26 +80,47 @@ def survival(rates: list[float]) -> list[float]:
     return values
 
 
+@dataclass
+class Beside:
+    """What else the pass a draft joins holds: in a batch, the other requests' rows and the
+    tokens they are expected to yield (:mod:`specdec.decoders.engine.batch`); alone, nothing."""
+
+    rows: int = 0
+    tokens: float = 0.0
+
+
 class PassSeconds:
     """T(1) .. T(max_tokens), non-decreasing, read from the target's cost curve on first
     use (so a curve that still has to be measured is measured only when needed) and
     again whenever the curve's ``version`` changes (a live curve,
-    :class:`specdec.decoders.models.cost.PassTimes`)."""
+    :class:`specdec.decoders.models.cost.PassTimes`). With ``beside``, the widths are
+    counted on top of the rows already in the pass: entry m is T(rows + m + 1), and
+    :attr:`base_tokens` counts the tokens they are expected to yield."""
 
-    def __init__(self, target_cost: Callable[[], CostCurve], max_tokens: int) -> None:
+    def __init__(
+        self, target_cost: Callable[[], CostCurve], max_tokens: int, beside: Beside | None = None
+    ) -> None:
         self._target_cost = target_cost
         self.max_tokens = max_tokens
+        self.beside = beside or Beside()
         self._seconds: list[float] | None = None
         self._curve: CostCurve | None = None
-        self._version = -1
+        self._version: tuple[int, int] = (-1, 0)
 
     def __call__(self) -> list[float]:
         if self._curve is None:
             self._curve = self._target_cost()
-        if self._seconds is None or self._curve.version != self._version:
-            self._version = self._curve.version
-            self._seconds = self._curve.non_decreasing(self.max_tokens)
+        rows = self.beside.rows
+        if self._seconds is None or (self._curve.version, rows) != self._version:
+            self._version = (self._curve.version, rows)
+            self._seconds = self._curve.non_decreasing(self.max_tokens + rows)[rows:]
         return self._seconds
+
+    @property
+    def base_tokens(self) -> float:
+        """What a pass yields without the draft being sized: the draft's own correction or
+        bonus token, and the tokens of the rest of the pass."""
+        return 1.0 + self.beside.tokens
 
 
 class Sizer:
@@ -108,6 +131,11 @@ class Sizer:
     def __init__(self) -> None:
         self.draft_seconds = 0.0  # summed over observed rounds (the engine's measure)
         self.rounds = 0
+
+    def for_request(self) -> Sizer:
+        """This sizer for another request decoded at the same time: what it measured (its
+        statistics objects) shared, its note of the last choice (set anew at each) its own."""
+        return copy.copy(self)
 
     @property
     def mean_draft_seconds(self) -> float:

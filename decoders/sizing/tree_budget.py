@@ -29,7 +29,7 @@ from collections.abc import Callable
 from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.sizing.acceptance import AcceptanceStats
-from specdec.decoders.sizing.search import MIN_GAIN, PassSeconds, Sizer, best_size
+from specdec.decoders.sizing.search import MIN_GAIN, Beside, PassSeconds, Sizer, best_size
 
 
 def rank_keys(draft: Draft) -> list[tuple[int, int]]:
@@ -81,6 +81,7 @@ class TreeBudget(Sizer):
         max_nodes: int,
         every: int = 32,
         min_gain: float = MIN_GAIN,
+        beside: Beside | None = None,
     ) -> None:
         super().__init__()
         self.stats = AcceptanceStats.level_shrunk()
@@ -92,7 +93,7 @@ class TreeBudget(Sizer):
         # first retune): a proposer that can reshape its tree drafts these
         self.paths: list[tuple[int, ...]] | None = None
         self.expected_tokens_per_s: float | None = None
-        self._pass_seconds = PassSeconds(target_cost, max_nodes + 1)
+        self._pass_seconds = PassSeconds(target_cost, max_nodes + 1, beside)
 
     def observe(self, round: Round) -> None:
         """Count the round's nodes; re-choose the budget every ``every`` rounds."""
@@ -108,6 +109,7 @@ class TreeBudget(Sizer):
             self._pass_seconds(),
             self.mean_draft_seconds,
             min_gain=self.min_gain,
+            base_tokens=self._pass_seconds.base_tokens,
         )
         self.paths = [path for path, _ in best[: self.budget]] or None
 

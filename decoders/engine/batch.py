@@ -1,0 +1,177 @@
+"""Decoding a batch of requests: each round, one target pass over every request's block.
+
+Each request is a :class:`~specdec.decoders.engine.decoding.Decoding` of its own: its
+session (KV cache, length), its proposer (``proposer.for_request()``: per-request state
+apart, weights and measured acceptance shared), its draft (chain or tree, any size,
+possibly empty), its verifier's verdict and its stop conditions. A round of the batch:
+
+    for each request:  planned = request.plan(room)      draft, cut, its block
+    logits = target.packed_forward(sessions, blocks)     ONE pass over every block
+    for each request:  request.settle(planned, logits)   verify, keep, emit, observe
+
+So each request's output is what decoding it alone gives (greedy: the same tokens; in
+exact mode the same bits, the pass kept within ``widest_exact_pass`` rows in all;
+sampling: its own generator, the target's distribution).
+
+Requests join as others finish (continuous batching): at most ``size`` decode at once,
+each once it has arrived (``arrivals``: seconds after the start; default all at once).
+A joining request's prefill is a pass of its own. Before each request plans, the sizing
+policy is told what the rest of the pass holds (:meth:`SizingPolicy.beside`): the rows
+the other requests put in it and the tokens they are expected to yield, so a draft is
+sized by what it adds to the whole pass's tokens per second, and drafts shrink, then stop,
+as the batch makes the pass dearer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from specdec.decoders.engine.decoding import Decoding, PlannedRound
+from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.models.session import ModelSession
+
+
+@dataclass
+class BatchStats:
+    """What a batch run measured as a whole."""
+
+    wall_time: float = 0.0  # seconds from the start to the last request's end
+    rounds: int = 0  # packed passes (prefills excluded)
+    rows: list[int] = field(default_factory=list)  # per pass: the rows of every request's block
+    drafted: list[int] = field(default_factory=list)  # per pass: draft tokens over all requests
+    active: list[int] = field(default_factory=list)  # per pass: requests in it
+    latencies: list[float] = field(default_factory=list)  # per request: arrival to last token (s)
+
+    def as_dict(self) -> dict:
+        return {
+            "wall_time": self.wall_time,
+            "rounds": self.rounds,
+            "mean_rows_per_pass": sum(self.rows) / max(len(self.rows), 1),
+            "mean_drafted_per_request": sum(self.drafted) / max(sum(self.active), 1),
+            "latencies": self.latencies,
+        }
+
+
+@dataclass
+class _Slot:
+    session: ModelSession
+    proposer: Proposer | None
+    decoding: Decoding | None = None
+    index: int = -1  # the request it decodes
+    arrival: float = 0.0
+
+
+def check_batchable(proposer: Proposer | None, gate: object | None) -> None:
+    """Refuse, in one line, what cannot decode in a batch."""
+    if proposer is not None and (reason := proposer.batch_refusal):
+        raise ValueError(reason)
+    if gate is not None:
+        raise ValueError(
+            "round_gate=true decides from one request's rounds; a batch's sizing weighs every "
+            "request's draft against the pass: build the pipeline with round_gate=false"
+        )
+
+
+def decode_batch(
+    start: Callable[[int, ModelSession, Proposer | None], Decoding],
+    count: int,
+    size: int,
+    sessions: Callable[[], ModelSession],
+    proposer: Proposer | None,
+    sizing: object | None = None,
+    arrivals: Sequence[float] | None = None,
+    on_done: Callable[[int, Decoding], None] | None = None,
+) -> BatchStats:
+    """Decode requests 0 .. count - 1, at most ``size`` at once: ``start(i, session,
+    proposer)`` prefills request i on a slot's session and proposer; ``on_done(i, decoding)``
+    takes it when it ends. ``sizing``: the policy the proposers' sizers come from (told
+    what the rest of each pass holds)."""
+    if size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {size}")
+    if arrivals is not None and len(arrivals) != count:
+        raise ValueError(f"arrivals has {len(arrivals)} times for {count} requests")
+    arrivals = list(arrivals) if arrivals is not None else [0.0] * count
+    order = sorted(range(count), key=lambda i: (arrivals[i], i))
+    slots = [_Slot(sessions(), proposer.for_request() if proposer is not None else None) for _ in range(size)]
+    target = slots[0].session.target
+    stats = BatchStats(latencies=[0.0] * count)
+    begin = time.perf_counter()
+    waiting = 0  # next in order to join
+    rotation = 0
+    while True:
+        now = time.perf_counter() - begin
+        for slot in slots:  # the arrived join free slots
+            if slot.decoding is None and waiting < count and arrivals[order[waiting]] <= now:
+                slot.index, slot.arrival = order[waiting], arrivals[order[waiting]]
+                waiting += 1
+                slot.decoding = start(slot.index, slot.session, slot.proposer)
+                _finish_if_done(slot, stats, begin, on_done)
+        active = [slot for slot in slots if slot.decoding is not None]
+        if not active:
+            if waiting == count:
+                break
+            time.sleep(max(arrivals[order[waiting]] - (time.perf_counter() - begin), 0.0))
+            continue
+        rotation = (rotation + 1) % len(active)  # who plans first (and gets the widest room) rotates
+        active = active[rotation:] + active[:rotation]
+        planned = _plan(active, target, sizing)
+        tock = time.perf_counter()
+        logits = target.packed_forward(
+            [slot.session for slot in active], [p.block for p in planned], [p.parents for p in planned]
+        )
+        seconds = time.perf_counter() - tock
+        rows = sum(len(p.block) for p in planned)
+        _record_pass(target, active, rows, seconds)
+        stats.rounds += 1
+        stats.rows.append(rows)
+        stats.drafted.append(rows - len(active))
+        stats.active.append(len(active))
+        for slot, plan, block_logits in zip(active, planned, logits):
+            slot.decoding.settle(plan, block_logits, seconds, timed=False)  # type: ignore[union-attr]
+            _finish_if_done(slot, stats, begin, on_done)
+    stats.wall_time = time.perf_counter() - begin
+    if sizing is not None:
+        sizing.beside(0, 0.0)
+    return stats
+
+
+def _plan(active: list[_Slot], target, sizing) -> list[PlannedRound]:
+    """Every active request's round, planned in turn: each told the rest of the pass (the
+    rows and expected tokens of those planned, one row and token for each still to plan)
+    and, in exact mode, given the rows left within the widest exact pass."""
+    widest = target.widest_exact_pass if target is not None else None
+    planned: list[PlannedRound] = []
+    rows, tokens = 0, 0.0
+    for k, slot in enumerate(active):
+        later = len(active) - k - 1
+        if sizing is not None:
+            sizing.beside(rows + later, tokens + later)
+        room = None if widest is None else max(widest - rows - later, 1)
+        plan = slot.decoding.plan(room)  # type: ignore[union-attr]
+        planned.append(plan)
+        rows += len(plan.block)
+        values = plan.draft.values
+        tokens += 1.0 + (sum(values) if values else 0.0)
+    return planned
+
+
+def _record_pass(target, active: list[_Slot], rows: int, seconds: float) -> None:
+    """A packed pass teaches the live T(n) its width's cost (at the requests' mean context)."""
+    timing = target.pass_times() if target is not None else None
+    if timing is not None:
+        timing.at_context(sum(len(slot.session) for slot in active) // len(active))
+        timing.record(rows, seconds)
+
+
+def _finish_if_done(slot: _Slot, stats: BatchStats, begin: float, on_done) -> None:
+    decoding = slot.decoding
+    if decoding is None or not decoding.done:
+        return
+    stats.latencies[slot.index] = time.perf_counter() - begin - slot.arrival
+    if on_done is not None:
+        on_done(slot.index, decoding)
+    else:
+        decoding.output()
+    slot.decoding = None
