@@ -285,10 +285,10 @@ class Pipeline:
         def done(i: int, decoding: Decoding) -> None:
             results[i] = self.result(decoding)
 
+        size = min(count, batch_size) if batch_size is not None else max(count, 1)
         stats = decode_batch(
-            start, count, min(batch_size or count, max(count, 1)), self.target.session, self.proposer,
-            self.sizing, arrivals, done,
-        )  # fmt: skip
+            start, count, size, self.target.session, self.proposer, self.sizing, arrivals, done
+        )
         return BatchResult(results, stats)  # type: ignore[arg-type]
 
     def _decoding(self, prompt, max_new_tokens, seed, on_tokens, constraint, session, proposer) -> Decoding:

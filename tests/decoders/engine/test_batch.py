@@ -1,0 +1,178 @@
+"""Batched decoding: one target pass per round over every request's block, each request's
+output the one it gets alone (greedy: the same tokens; sampling: the target's distribution),
+requests of different lengths, chains and trees, joining as others finish."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.engine.sampling import SamplingConfig, processed_probs
+from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.models.loading import ModelConfig, load_model
+from specdec.decoders.models.session import ModelSession
+from specdec.decoders.sizing.policy import SizingPolicy
+from tests.conftest import lossless_verifiers, pipeline_or_skip, random_prompts
+
+BATCHABLE = [
+    None,  # standard decoding, batched
+    "ngram",
+    "suffix",
+    "draft_model",
+    "copy_heads",
+    {"name": "medusa", "tree": None, "tree_budget": None},
+    {"name": "merge", "members": ["suffix", "ngram"]},
+]
+
+
+def prompts_of_many_lengths() -> list[list[int]]:
+    """Repetitive prompts (drafts get accepted) of 6 to 60 tokens."""
+    prompts = random_prompts(5, seed=11)
+    return [prompt[: 6 + 13 * i] for i, prompt in enumerate(prompts)]
+
+
+@pytest.fixture()
+def base(trained_pipeline) -> Pipeline:
+    return trained_pipeline
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "tree"])
+@pytest.mark.parametrize("proposer", BATCHABLE, ids=str)
+def test_each_request_decodes_as_it_would_alone(base, proposer, verifier, drafting_pays):
+    """Greedy, float64: every request of a batch (sizes 1, 2 and 5 of 5 prompts of different
+    lengths) gives the tokens decoding it alone gives; drafts were made and accepted."""
+    pipeline = pipeline_or_skip(base, proposer, verifier)
+    prompts = prompts_of_many_lengths()
+    alone = [pipeline.generate(prompt, 24).tokens for prompt in prompts]
+    for size in (1, 2, 5):
+        batch = pipeline.generate_batch(prompts, 24, batch_size=size)
+        assert [r.tokens for r in batch.results] == alone, size
+        assert max(batch.stats.active) == size
+        if proposer is not None:
+            assert sum(r.stats.accepted for r in batch.results) > 0
+
+
+def test_requests_join_as_others_finish(base):
+    """Continuous batching: 6 requests, at most 2 at once, the later ones arriving after the
+    start: each joins once it has arrived and a place is free, and decodes as it would alone."""
+    pipeline = base.with_components("ngram", "greedy")
+    prompts = [prompt[: 5 + 7 * i] for i, prompt in enumerate(random_prompts(6, seed=5))]
+    alone = [pipeline.generate(prompt, 20).tokens for prompt in prompts]
+    arrivals = [0.0, 0.0, 0.0, 0.01, 0.02, 0.5]
+    batch = pipeline.generate_batch(prompts, 20, batch_size=2, arrivals=arrivals)
+    assert [result.tokens for result in batch.results] == alone
+    assert max(batch.stats.active) == 2 and len(batch.stats.latencies) == 6
+    assert batch.stats.wall_time >= 0.5  # the last one waited for its arrival
+    assert all(latency > 0 for latency in batch.stats.latencies)
+
+
+@pytest.mark.parametrize("verifier", [v for v in lossless_verifiers() if v != "greedy"])
+def test_sampling_keeps_each_requests_distribution(base, verifier, drafting_pays):
+    """T = 1: a request decoded in batches beside requests of other lengths (and other
+    seeds) has the target's distribution: chi-square on its first two tokens."""
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    chain = {"name": "copy_heads", "tree": None, "tree_budget": None, "adaptive": False}
+    heads = "copy_heads" if verifier == "tree" else chain
+    pipeline = pipeline_or_skip(base, heads, verifier, sampling)
+    probe = base.encode("Explain how")
+    others = prompts_of_many_lengths()[1:3]
+    samples, accepted = Counter(), 0
+    for run in range(400):
+        batch = pipeline.generate_batch([others[0], probe, others[1]], 3, seeds=[1000 + run, run, 2000 + run])
+        samples[tuple(batch.results[1].tokens[:2])] += 1
+        accepted += sum(r.stats.accepted for r in batch.results)
+    assert accepted > 20
+    session = ModelSession(base.model)
+    first = processed_probs(session.forward(probe)[-1], sampling)
+    expected = {}
+    for t1 in first.nonzero().flatten().tolist():
+        session.truncate(len(probe))
+        second = processed_probs(session.forward([t1])[-1], sampling)
+        for t2 in second.nonzero().flatten().tolist():
+            expected[(t1, t2)] = float(first[t1] * second[t2])
+    assert set(samples) <= set(expected)
+    cells = sorted(expected)
+    total = sum(samples.values())
+    predicted = [expected[c] * total for c in cells]
+    scale = total / sum(predicted)  # the cells' probabilities sum to 1 up to rounding
+    assert chisquare([samples[c] for c in cells], [p * scale for p in predicted]).pvalue > 1e-3
+
+
+def test_a_packed_pass_gives_each_request_its_own_pass(tiny_model, tiny_config):
+    """Model level, float64: the logits of a packed pass over three requests (a tree, a
+    single token, a chain; contexts of 100, 3 and 63 tokens) are those of their own passes."""
+    model, tokenizer = tiny_model
+    target = Pipeline(model, tokenizer, model_config=tiny_config).target
+    prompts = [[5, 6, 7, 8, 9] * 20, [1, 2, 3], [10, 11, 12, 13, 14, 15, 16] * 9]
+    blocks, parents = [[3, 4, 5, 6], [7], [1, 2]], [[-1, 0, 0, 1], None, None]
+    alone = []
+    for prompt, block, tree in zip(prompts, blocks, parents):
+        session = target.session()
+        session.forward(prompt, last_only=True)
+        alone.append(session.forward(block, tree))
+    sessions = [target.session() for _ in prompts]
+    for session, prompt in zip(sessions, prompts):
+        session.forward(prompt, last_only=True)
+    packed = target.packed_forward(sessions, blocks, parents)
+    for got, expected in zip(packed, alone):
+        assert torch.equal(got, expected)
+    assert [len(s) for s in sessions] == [104, 4, 65]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_exact_mode_packed_passes_are_bit_identical(dtype):
+    """In exact mode (where the target runs it) a request's rows in a packed pass get the
+    very bits of its own pass; without it, they agree to rounding."""
+    target, _ = load_model(ModelConfig(name="tiny-random", dtype=dtype, device="cpu"))
+    prompts = [[5, 6, 7, 8, 9] * 20, [1, 2, 3], [10, 11, 12, 13, 14, 15, 16] * 9]
+    blocks, parents = [[3, 4, 5, 6], [7], [1, 2]], [[-1, 0, 0, 1], None, None]
+    alone = []
+    for prompt, block, tree in zip(prompts, blocks, parents):
+        session = target.session()
+        session.forward(prompt, last_only=True)
+        alone.append(session.forward(block, tree))
+    sessions = [target.session() for _ in prompts]
+    for session, prompt in zip(sessions, prompts):
+        session.forward(prompt, last_only=True)
+    packed = target.packed_forward(sessions, blocks, parents)
+    for got, expected in zip(packed, alone):
+        if target.exact:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_what_cannot_batch_says_so_in_one_line(base):
+    for proposer in ({"name": "early_exit", "exit_layer": 1}, {"name": "eagle"}):
+        pipeline = pipeline_or_skip(base, proposer, "greedy")
+        with pytest.raises(ValueError, match="reads the target's inner layers.*one at a time"):
+            pipeline.generate_batch([[1, 2, 3]], 4)
+    gated = base.with_components("ngram", "greedy", round_gate=True)
+    with pytest.raises(ValueError, match="round_gate=false"):
+        gated.generate_batch([[1, 2, 3]], 4)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        base.with_components("ngram", "greedy").generate_batch([[1, 2, 3]], 4, batch_size=0)
+
+
+def test_drafts_shrink_then_stop_as_the_batch_makes_the_pass_dearer(tiny_model, tiny_config):
+    """Sizing that knows the batch: under a T(n) flat to 8 rows then steep, a chain
+    proposer drafts wherever it finds a match alone and in a batch of 2, and (probes aside)
+    nothing in batches of 8 and 16, whose requests' own rows already fill the flat part:
+    each draft is weighed by the whole pass's tokens per second."""
+    model, tokenizer = tiny_model
+    curve = CostCurve({1: 1.0, 8: 1.0, 9: 2.0, 64: 57.0})
+    pipeline = Pipeline(
+        model, tokenizer, "ngram", "greedy", model_config=tiny_config, max_new_tokens=32,
+        sizing=SizingPolicy(lambda: curve),
+    )  # fmt: skip
+    prompts = random_prompts(16, seed=2)
+    drafted = {}
+    for size in (1, 2, 8, 16):
+        batch = pipeline.generate_batch(prompts[:size], 32)
+        drafted[size] = sum(batch.stats.drafted) / sum(batch.stats.active)  # per request per pass
+    assert drafted[1] > 0.5 and drafted[2] > 0.5
+    assert drafted[8] < 0.1 and drafted[16] < 0.1
