@@ -18,6 +18,7 @@ plots next to it, and the offline W&B run (``logger=disabled`` turns it off).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -28,6 +29,7 @@ import_plugins_from_argv()  # before Hydra composes, so plugin proposers are val
 
 from specdec.decoders.cli.config import CONF_DIR  # noqa: E402
 from specdec.decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
+from specdec.decoders.evaluation.batching import batch_plots, format_batch_table  # noqa: E402
 from specdec.decoders.evaluation.bench_results import format_table, publish  # noqa: E402
 from specdec.decoders.evaluation.benchmark import run_benchmark  # noqa: E402
 from specdec.decoders.models.loading import resolve_device  # noqa: E402
@@ -38,6 +40,12 @@ from specdec.decoders.models.loading import resolve_device  # noqa: E402
 def main(cfg: DictConfig) -> None:
     resolve_device(cfg.model.device)  # fail early on a bad device name
     payload = run_benchmark(cfg)
+    if payload.get("mode") == "batch":
+        print(format_batch_table(payload))
+        print(f"[bench] wrote {cfg.bench.output}", file=sys.stderr)
+        for image in batch_plots(payload, Path(cfg.bench.output).parent) if cfg.bench.plots else []:
+            print(f"[bench] wrote {image}", file=sys.stderr)
+        return
     print(format_table(payload))
     print(f"[bench] wrote {cfg.bench.output}", file=sys.stderr)
     publish(cfg, payload)

@@ -48,11 +48,34 @@ class BenchConfig:
     # with model.exact on: also time every pipeline with it off, interleaved (speedup over
     # standard decoding with it off)
     exact_off: bool = False
+    # batch mode (decoders/evaluation/batching.py): a size or a list of sizes, e.g. [1,2,4,8,16]:
+    # throughput and latency of batched decoding instead of the per-prompt speedups; null = off
+    batch_size: Any = None
+    # batch mode: when the requests arrive (continuous batching): null = all at the start, a
+    # rate in requests per second (seeded exponential gaps), or a list of seconds, one per prompt
+    arrivals: Any = None
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes of batch mode ([] when it is off)."""
+        if self.batch_size is None:
+            return []
+        return (
+            [int(s) for s in self.batch_size]
+            if isinstance(self.batch_size, list | tuple)
+            else [int(self.batch_size)]
+        )
 
     def __post_init__(self) -> None:
         for option in ("repeats", "max_new_tokens"):
             if int(getattr(self, option)) < 1:
                 raise ValueError(f"bench.{option}={getattr(self, option)}: must be at least 1")
+        if self.batch_size is not None and (
+            not self.batch_sizes or any(size < 1 for size in self.batch_sizes)
+        ):
+            raise ValueError(f"bench.batch_size={self.batch_size}: give a size >= 1 or a list of them")
+        if self.arrivals is not None and not self.batch_sizes:
+            raise ValueError("bench.arrivals needs batch mode: give bench.batch_size too")
         if self.interleave not in ("rounds", "prompts"):
             raise ValueError(f"bench.interleave={self.interleave!r}: use rounds (the default) or prompts")
 

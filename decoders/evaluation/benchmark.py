@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from specdec.decoders.cli.config import constraint_config, load_plugins, model_config, sampling_config
 from specdec.decoders.engine.constraint import Constraint, ConstraintConfig
 from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.evaluation.batching import run_batch_benchmark
 from specdec.decoders.evaluation.bench_config import BenchConfig, bench_config
 from specdec.decoders.evaluation.bench_results import results_payload
 from specdec.decoders.evaluation.contenders import EXACT_OFF, Contender, contenders_for
@@ -56,6 +57,8 @@ def run_benchmark(cfg: DictConfig) -> dict:
     )  # fmt: skip
     pipelines, contenders = contenders_for(cfg, bench, base)
     prompts = load_workload(workload_config(cfg))
+    if bench.batch_sizes:  # batch mode: throughput and latency per batch size
+        return run_batch_benchmark(bench, base, pipelines, prompts)
     announce(bench, base, prompts, contenders)
     cost_curves = baseline_cost_curves(bench, base, contenders)
     constraints = prompt_constraints(cfg, base, prompts)  # compiled before anything runs

@@ -1,0 +1,223 @@
+"""The bench's batch mode (``bench.batch_size=[1,2,4,8,16]``): throughput and latency of
+batched decoding, per batch size, against batched standard decoding and ``hf_generate``
+batched with padding.
+
+Every pipeline decodes the workload's prompts with :meth:`Pipeline.generate_batch`, at most
+``size`` requests at once, each joining as another finishes (``bench.arrivals``: all at the
+start by default; a rate in requests per second, seeded exponential gaps; or a list of
+seconds). transformers' ``generate`` has no continuous batching: it decodes the prompts in
+groups of ``size``, left-padded, a group after the previous one (all arrived at the start).
+At each size the contenders take turns (the order rotating from repeat to repeat) after one
+warm-up batch each; a row reports total new tokens per second, the speedup over batched
+standard decoding at that size, per-request latency (median, p90: arrival to last token),
+the draft tokens per request per pass, and ``same``: the share of requests whose output is
+decoding it alone with standard decoding (greedy).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specdec.decoders.engine.files import write_json
+from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.evaluation.bench_config import BenchConfig
+from specdec.decoders.models.machine import machine_info, machine_line
+
+STANDARD = "standard"
+HF = "hf_generate"
+
+
+@dataclass
+class BatchRun:
+    """One contender's run of the workload at one batch size."""
+
+    tokens: list[list[int]]  # per request, in prompt order
+    seconds: float  # wall time, first arrival to last token
+    latencies: list[float]  # per request: arrival to last token
+    drafted_per_request: float  # draft tokens per request per pass (0 without drafts)
+
+
+def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None:
+    """``bench.arrivals``: None (all at the start), a rate (requests per second: seeded
+    exponential gaps) or a list of ``count`` seconds."""
+    if setting is None:
+        return None
+    if isinstance(setting, int | float):
+        if setting <= 0:
+            raise ValueError(f"bench.arrivals={setting}: a rate must be > 0 requests per second")
+        rng, now, times = random.Random(seed), 0.0, []
+        for _ in range(count):
+            times.append(now)
+            now += rng.expovariate(float(setting))
+        return times
+    times = [float(t) for t in setting]
+    if len(times) != count:
+        raise ValueError(f"bench.arrivals lists {len(times)} times for {count} prompts")
+    return times
+
+
+Runner = Callable[[list, int, Any], BatchRun]  # (prompts, batch size, arrival times or None)
+
+
+def pipeline_runner(pipeline: Pipeline, max_new_tokens: int) -> Runner:
+    def run(prompts: list[list[int]], size: int, arrivals=None) -> BatchRun:
+        batch = pipeline.generate_batch(prompts, max_new_tokens, batch_size=size, arrivals=arrivals)
+        stats = batch.stats
+        drafted = sum(stats.drafted) / max(sum(stats.active), 1)
+        return BatchRun([r.tokens for r in batch.results], stats.wall_time, stats.latencies, drafted)
+
+    return run
+
+
+def hf_runner(model: torch.nn.Module, eos: list[int], max_new_tokens: int) -> Runner:
+    """``model.generate``, greedy, the prompts in left-padded groups of ``size``."""
+    pad = eos[0] if eos else 0
+    device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def run(prompts: list[list[int]], size: int, arrivals=None) -> BatchRun:
+        tokens: list[list[int]] = []
+        latencies: list[float] = []
+        start = time.perf_counter()
+        for first in range(0, len(prompts), size):
+            group = prompts[first : first + size]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                temperature=None, top_k=None, top_p=None, eos_token_id=eos or None, pad_token_id=pad,
+            )  # fmt: skip
+            for row in out[:, width:].tolist():
+                end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+                tokens.append(row[:end])
+            done = time.perf_counter() - start
+            latencies += [done] * len(group)
+        return BatchRun(tokens, time.perf_counter() - start, latencies, 0.0)
+
+    return run
+
+
+def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipeline], prompts: list) -> dict:
+    """Every batchable pipeline, batched standard decoding and (``bench.peers``) batched
+    ``hf_generate`` at each of ``bench.batch_size``'s sizes; results.json written after each size."""
+    sizes = bench.batch_sizes
+    ids = [base.encode(prompt.turns[0]) for prompt in prompts]
+    arrivals = arrival_times(bench.arrivals, len(ids))
+    runners: dict[str, Runner] = {STANDARD: pipeline_runner(base, bench.max_new_tokens)}
+    for pipeline in pipelines[1:]:
+        name = pipeline.name
+        if (reason := pipeline.proposer.batch_refusal if pipeline.proposer else None) is not None:
+            print(f"[bench] skipping {name} in batches: {reason}", file=sys.stderr)
+            continue
+        runners[name] = pipeline_runner(pipeline, bench.max_new_tokens)
+    if bench.peers and arrivals is None:  # generate has no continuous batching: static groups only
+        runners[HF] = hf_runner(base.model, sorted(base.eos_token_ids()), bench.max_new_tokens)
+    reference = runners[STANDARD](ids, 1).tokens  # each alone
+    for runner in runners.values():  # warm-up: one small batch each
+        runner(ids[:2], 2)
+    rows: list[dict] = []
+    payload = {
+        "mode": "batch",
+        "model": base.context.model_config.name,
+        "dtype": str(base.session.dtype).removeprefix("torch."),
+        "machine": machine_info(base.session.device),
+        "prompts": len(ids),
+        "max_new_tokens": bench.max_new_tokens,
+        "batch_sizes": sizes,
+        "arrivals": bench.arrivals,
+        "repeats": bench.repeats,
+        "rows": rows,
+    }
+    names = list(runners)
+    progress = tqdm(total=len(sizes) * bench.repeats * len(names), desc="batches", file=sys.stderr)
+    for size in sizes:
+        runs: dict[str, list[BatchRun]] = {name: [] for name in names}
+        for repeat in range(bench.repeats):
+            shift = repeat % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].append(runners[name](ids, size, arrivals))
+                progress.update()
+        rows += size_rows(size, runs, reference)
+        write_json(Path(bench.output), payload)
+    progress.close()
+    return payload
+
+
+def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[int]]) -> list[dict]:
+    """One row per contender at one batch size (means over repeats)."""
+    rates = {name: [sum(map(len, r.tokens)) / r.seconds for r in each] for name, each in runs.items()}
+    standard = statistics.mean(rates[STANDARD])
+    rows = []
+    for name, each in runs.items():
+        latencies = sorted(latency for run in each for latency in run.latencies)
+        same = [tokens == expected for run in each for tokens, expected in zip(run.tokens, reference)]
+        rows.append(
+            {
+                "pipeline": name,
+                "batch_size": size,
+                "tokens_per_s": statistics.mean(rates[name]),
+                "speedup": statistics.mean(rates[name]) / standard,
+                "latency_median": statistics.median(latencies),
+                "latency_p90": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
+                "drafted_per_request": statistics.mean(run.drafted_per_request for run in each),
+                "identical_outputs": sum(same) / len(same),
+            }
+        )
+    return rows
+
+
+def format_batch_table(payload: dict) -> str:
+    lines = [
+        f"{payload['model']} ({payload['dtype']}): {payload['prompts']} prompts, max_new_tokens "
+        f"{payload['max_new_tokens']}, arrivals {payload['arrivals'] or 'all at the start'}",
+        f"machine: {machine_line(payload['machine'])}",
+        f"{'batch':>5} {'pipeline':<22} {'tok/s':>8} {'speedup':>8} {'lat p50':>8} {'lat p90':>8} "
+        f"{'drafted':>8} {'same':>5}",
+    ]
+    for row in payload["rows"]:
+        lines.append(
+            f"{row['batch_size']:>5} {row['pipeline']:<22} {row['tokens_per_s']:>8.1f} {row['speedup']:>7.2f}x "
+            f"{row['latency_median']:>7.2f}s {row['latency_p90']:>7.2f}s {row['drafted_per_request']:>8.2f} "
+            f"{row['identical_outputs']:>5.2f}"
+        )
+    return "\n".join(lines)
+
+
+def batch_plots(payload: dict, folder: Path) -> list[Path]:
+    """Throughput against batch size, and draft tokens per request against batch size: one
+    line per pipeline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = []
+    for key, label, name in (
+        ("tokens_per_s", "total new tokens / s", "batch_throughput.png"),
+        ("drafted_per_request", "draft tokens per request per pass", "batch_drafted.png"),
+    ):
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for pipeline in dict.fromkeys(row["pipeline"] for row in payload["rows"]):
+            points = [(r["batch_size"], r[key]) for r in payload["rows"] if r["pipeline"] == pipeline]
+            axis.plot(*zip(*points), marker="o", label=pipeline)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("batch size")
+        axis.set_ylabel(label)
+        axis.set_title(f"{payload['model']} ({payload['dtype']})")
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(folder / name, dpi=120)
+        plt.close(figure)
+        images.append(folder / name)
+    return images

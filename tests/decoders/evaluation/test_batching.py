@@ -1,0 +1,63 @@
+"""The bench's batch mode: rows per batch size and contender, the outputs checked against
+decoding each request alone, the plots, and its options refused in one line when wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.decoders.evaluation.batching import arrival_times
+from specdec.decoders.evaluation.bench_config import BenchConfig
+from tests.bench_helpers import run_bench, tiny_overrides, write_workload
+
+
+def test_batch_mode_reports_every_contender_at_every_size(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    overrides = ["bench.pipelines=[ngram,suffix]", "bench.batch_size=[1,3]", "bench.peers=true"]
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), f"hydra.run.dir={run_dir}", *overrides))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["mode"] == "batch" and results["batch_sizes"] == [1, 3] and results["prompts"] == 3
+    rows = {(row["pipeline"], row["batch_size"]): row for row in results["rows"]}
+    names = {"standard", "ngram+greedy", "suffix+tree", "hf_generate"}
+    assert set(rows) == {(name, size) for name in names for size in (1, 3)}
+    for (name, size), row in rows.items():
+        assert row["tokens_per_s"] > 0 and row["latency_p90"] >= row["latency_median"] > 0
+        if name != "hf_generate":  # greedy, float64: each request's output is the one it gets alone
+            assert row["identical_outputs"] == 1.0, (name, size)
+    assert rows[("standard", 1)]["speedup"] == pytest.approx(1.0)
+    assert rows[("standard", 3)]["drafted_per_request"] == 0.0
+    assert rows[("suffix+tree", 1)]["drafted_per_request"] > 0
+    assert (run_dir / "batch_throughput.png").exists() and (run_dir / "batch_drafted.png").exists()
+    table = capsys.readouterr().out
+    assert "batch pipeline" in table and "suffix+tree" in table
+
+
+def test_continuous_arrivals_run_without_the_static_peer(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    overrides = ["proposer=ngram", "bench.batch_size=2", "bench.arrivals=[0,0.05,0.1]", "bench.peers=true"]
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), f"hydra.run.dir={run_dir}", *overrides))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert {row["pipeline"] for row in results["rows"]} == {"standard", "ngram+greedy"}
+    assert results["arrivals"] == [0, 0.05, 0.1]
+
+
+def test_arrival_times():
+    assert arrival_times(None, 3) is None
+    rate = arrival_times(4.0, 5)
+    assert rate[0] == 0.0 and rate == sorted(rate) and rate == arrival_times(4.0, 5)  # seeded
+    assert arrival_times([0, 1, 2], 3) == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="lists 2 times for 3 prompts"):
+        arrival_times([0, 1], 3)
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        arrival_times(0, 3)
+
+
+def test_batch_options_are_checked():
+    assert BenchConfig(batch_size=4).batch_sizes == [4]
+    assert BenchConfig(batch_size=[1, 2, 4]).batch_sizes == [1, 2, 4]
+    assert BenchConfig().batch_sizes == []
+    with pytest.raises(ValueError, match="bench.batch_size=0"):
+        BenchConfig(batch_size=0)
+    with pytest.raises(ValueError, match="bench.arrivals needs batch mode"):
+        BenchConfig(arrivals=2.0)
