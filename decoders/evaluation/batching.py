@@ -45,6 +45,7 @@ class BatchRun:
     seconds: float  # wall time, first arrival to last token
     latencies: list[float]  # per request: arrival to last token
     drafted_per_request: float  # draft tokens per request per pass (0 without drafts)
+    acceptance: float | None = None  # accepted / drafted tokens over the run (None: none drafted)
 
 
 def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None:
@@ -74,7 +75,11 @@ def pipeline_runner(pipeline: Pipeline, max_new_tokens: int) -> Runner:
         batch = pipeline.generate_batch(prompts, max_new_tokens, batch_size=size, arrivals=arrivals)
         stats = batch.stats
         drafted = sum(stats.drafted) / max(sum(stats.active), 1)
-        return BatchRun([r.tokens for r in batch.results], stats.wall_time, stats.latencies, drafted)
+        proposed = sum(r.stats.proposed for r in batch.results)
+        acceptance = sum(r.stats.accepted for r in batch.results) / proposed if proposed else None
+        return BatchRun(
+            [r.tokens for r in batch.results], stats.wall_time, stats.latencies, drafted, acceptance
+        )
 
     return run
 
@@ -149,9 +154,33 @@ def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipe
                 runs[name].append(runners[name](ids, size, arrivals))
                 progress.update()
         rows += size_rows(size, runs, reference)
+        payload["stop_estimates"] = stop_estimates(rows, base.context.cost_curve(), max(sizes))
         write_json(Path(bench.output), payload)
     progress.close()
     return payload
+
+
+def stop_estimate(acceptance: float, curve, largest: int) -> int | None:
+    """The cost model's batch size where drafting stops paying: the smallest B at which one
+    draft node, accepted at rate ``acceptance``, adds less to a pass of B standard rows than
+    it costs, (B + v) / T(B + 1) <= B / T(B) (None: it pays up to ``largest``)."""
+    for size in range(1, largest + 1):
+        if (size + acceptance) / curve(size + 1) <= size / curve(size):
+            return size
+    return None
+
+
+def stop_estimates(rows: list[dict], curve, largest: int) -> dict:
+    """Per pipeline, :func:`stop_estimate` at its acceptance at the smallest batch size run."""
+    estimates = {}
+    for row in sorted(rows, key=lambda r: r["batch_size"]):
+        name, acceptance = row["pipeline"], row.get("acceptance")
+        if name not in estimates and acceptance:
+            estimates[name] = {
+                "acceptance": acceptance,
+                "stops_at": stop_estimate(acceptance, curve, 4 * largest),
+            }
+    return estimates
 
 
 def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[int]]) -> list[dict]:
@@ -172,9 +201,15 @@ def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[i
                 "latency_p90": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
                 "drafted_per_request": statistics.mean(run.drafted_per_request for run in each),
                 "identical_outputs": sum(same) / len(same),
+                "acceptance": _mean_or_none([run.acceptance for run in each]),
             }
         )
     return rows
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.mean(present) if present else None
 
 
 def format_batch_table(payload: dict) -> str:
@@ -190,6 +225,11 @@ def format_batch_table(payload: dict) -> str:
             f"{row['batch_size']:>5} {row['pipeline']:<22} {row['tokens_per_s']:>8.1f} {row['speedup']:>7.2f}x "
             f"{row['latency_median']:>7.2f}s {row['latency_p90']:>7.2f}s {row['drafted_per_request']:>8.2f} "
             f"{row['identical_outputs']:>5.2f}"
+        )
+    for name, estimate in (payload.get("stop_estimates") or {}).items():
+        lines.append(
+            f"cost model: {name} (acceptance {estimate['acceptance']:.2f}) stops paying at batch size "
+            f"{estimate['stops_at'] or 'beyond ' + str(4 * max(payload['batch_sizes']))}"
         )
     return "\n".join(lines)
 

@@ -61,3 +61,14 @@ def test_batch_options_are_checked():
         BenchConfig(batch_size=0)
     with pytest.raises(ValueError, match="bench.arrivals needs batch mode"):
         BenchConfig(arrivals=2.0)
+
+
+def test_the_cost_models_stop_estimate():
+    from specdec.decoders.evaluation.batching import stop_estimate
+    from specdec.decoders.models.cost import CostCurve
+
+    steep_after_8 = CostCurve({1: 1.0, 8: 1.0, 9: 2.0, 64: 57.0})
+    assert stop_estimate(0.5, steep_after_8, 64) == 8  # 8 standard rows fill the flat part
+    assert stop_estimate(0.5, CostCurve({1: 1.0, 512: 1.0}), 64) is None  # a flat T pays at any size
+    linear = CostCurve({1: 1.0, 101: 2.0})  # each row 1% of T(1): pays while v > B * 0.01 / T(B)
+    assert stop_estimate(0.3, linear, 64) == 43
