@@ -23,15 +23,10 @@ from transformers import PreTrainedTokenizerBase
 
 from specdec.decoders.engine.constraint import Constraint, ConstraintConfig, GrammarVocabulary
 from specdec.decoders.engine.context import PipelineContext
-from specdec.decoders.engine.decoding import (
-    Decoding,
-    GenerationStats,
-    RoundGate,
-    StopConditions,
-    default_verifier,
-)
+from specdec.decoders.engine.decoding import Decoding, RoundGate, default_verifier
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, proposer_registry, verifier_registry
+from specdec.decoders.engine.request import GenerationStats, StopConditions
 from specdec.decoders.engine.sampling import SamplingConfig
 from specdec.decoders.engine.verifier import Verifier
 from specdec.decoders.models.architecture import UnsupportedArchitectureError

@@ -44,10 +44,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdec.decoders.cli.config import load_plugins, model_config
-from specdec.decoders.engine.decoding import StopConditions, decode
+from specdec.decoders.engine.decoding import decode
 from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.pipeline import Pipeline
 from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.request import StopConditions
 from specdec.decoders.engine.sampling import SamplingConfig
 from specdec.decoders.evaluation.contenders import build_pipelines
 from specdec.decoders.evaluation.files import read_results, write_json

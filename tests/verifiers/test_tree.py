@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from specdec.decoders.engine.context import PipelineContext
-from specdec.decoders.engine.decoding import StopConditions, decode
+from specdec.decoders.engine.decoding import decode
 from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, proposer_registry
+from specdec.decoders.engine.request import StopConditions
 from specdec.decoders.engine.sampling import SamplingConfig, processed_probs, sample
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.models.loading import ModelConfig, tiny_draft_model, tiny_random_model
