@@ -98,42 +98,44 @@ def decode_batch(
     target = slots[0].session.target
     stats = BatchStats(latencies=[0.0] * count)
     begin = time.perf_counter()
-    waiting = 0  # next in order to join
-    rotation = 0
-    while True:
-        now = time.perf_counter() - begin
-        for slot in slots:  # the arrived join free slots
-            if slot.decoding is None and waiting < count and arrivals[order[waiting]] <= now:
-                slot.index, slot.arrival = order[waiting], arrivals[order[waiting]]
-                waiting += 1
-                slot.decoding = start(slot.index, slot.session, slot.proposer)
+    try:
+        waiting = 0  # next in order to join
+        rotation = 0
+        while True:
+            now = time.perf_counter() - begin
+            for slot in slots:  # the arrived join free slots
+                if slot.decoding is None and waiting < count and arrivals[order[waiting]] <= now:
+                    slot.index, slot.arrival = order[waiting], arrivals[order[waiting]]
+                    waiting += 1
+                    slot.decoding = start(slot.index, slot.session, slot.proposer)
+                    _finish_if_done(slot, stats, begin, on_done)
+            active = [slot for slot in slots if slot.decoding is not None]
+            if not active:
+                if waiting == count:
+                    break
+                time.sleep(max(arrivals[order[waiting]] - (time.perf_counter() - begin), 0.0))
+                continue
+            rotation = (rotation + 1) % len(active)  # who plans first (and gets the widest room) rotates
+            active = active[rotation:] + active[:rotation]
+            planned = _plan(active, target, sizing)
+            tock = time.perf_counter()
+            logits = target.packed_forward(
+                [slot.session for slot in active], [p.block for p in planned], [p.parents for p in planned]
+            )
+            seconds = time.perf_counter() - tock
+            rows = sum(len(p.block) for p in planned)
+            _record_pass(target, active, rows, seconds)
+            stats.rounds += 1
+            stats.rows.append(rows)
+            stats.drafted.append(rows - len(active))
+            stats.active.append(len(active))
+            for slot, plan, block_logits in zip(active, planned, logits):
+                slot.decoding.settle(plan, block_logits, seconds, timed=False)  # type: ignore[union-attr]
                 _finish_if_done(slot, stats, begin, on_done)
-        active = [slot for slot in slots if slot.decoding is not None]
-        if not active:
-            if waiting == count:
-                break
-            time.sleep(max(arrivals[order[waiting]] - (time.perf_counter() - begin), 0.0))
-            continue
-        rotation = (rotation + 1) % len(active)  # who plans first (and gets the widest room) rotates
-        active = active[rotation:] + active[:rotation]
-        planned = _plan(active, target, sizing)
-        tock = time.perf_counter()
-        logits = target.packed_forward(
-            [slot.session for slot in active], [p.block for p in planned], [p.parents for p in planned]
-        )
-        seconds = time.perf_counter() - tock
-        rows = sum(len(p.block) for p in planned)
-        _record_pass(target, active, rows, seconds)
-        stats.rounds += 1
-        stats.rows.append(rows)
-        stats.drafted.append(rows - len(active))
-        stats.active.append(len(active))
-        for slot, plan, block_logits in zip(active, planned, logits):
-            slot.decoding.settle(plan, block_logits, seconds, timed=False)  # type: ignore[union-attr]
-            _finish_if_done(slot, stats, begin, on_done)
-    stats.wall_time = time.perf_counter() - begin
-    if sizing is not None:
-        sizing.beside(0, 0.0)
+        stats.wall_time = time.perf_counter() - begin
+    finally:
+        if sizing is not None:  # single requests after the batch are sized alone again
+            sizing.beside(0, 0.0)
     return stats
 
 
