@@ -280,7 +280,9 @@ class Pipeline:
         def done(i: int, decoding: Decoding) -> None:
             results[i] = self.result(decoding)
 
-        size = min(count, batch_size) if batch_size is not None else max(count, 1)
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        size = max(1, min(count, batch_size or count))
         stats = decode_batch(
             start, count, size, self.target.session, self.proposer, self.sizing, arrivals, done
         )
