@@ -157,3 +157,18 @@ def test_drafts_shrink_then_stop_as_the_batch_makes_the_pass_dearer(tiny_model, 
         drafted[size] = sum(batch.stats.drafted) / sum(batch.stats.active)  # per request per pass
     assert drafted[1] > 0.5 and drafted[2] > 0.5
     assert drafted[8] < 0.1 and drafted[16] < 0.1
+
+
+def test_constrained_requests_decode_as_they_would_alone(base, drafting_pays):
+    """Each request of a batch under its own constraint (a JSON schema, a regex, none), drafted
+    by the grammar proposer merged with the copy heads: the tokens it gets alone."""
+    from tests.decoders.engine.test_constraint import SCHEMA
+
+    pipeline = base.with_components({"name": "merge", "members": ["grammar", "copy_heads"]}, "tree")
+    prompts = random_prompts(3, seed=4)
+    specs = [{"json_schema": SCHEMA}, {"regex": "([a-c]{1,3}(yes|no);)+"}, None]
+    constraints = [pipeline.constraint(spec) if spec else None for spec in specs]
+    alone = [pipeline.generate(p, 30, constraint=c).tokens for p, c in zip(prompts, constraints)]
+    batch = pipeline.generate_batch(prompts, 30, constraints=constraints)
+    assert [result.tokens for result in batch.results] == alone
+    assert sum(result.stats.accepted for result in batch.results) > 0
