@@ -45,7 +45,7 @@ class BatchRun:
     seconds: float  # wall time, first arrival to last token
     latencies: list[float]  # per request: arrival to last token
     drafted_per_request: float  # draft tokens per request per pass (0 without drafts)
-    acceptance: float | None = None  # accepted / drafted tokens over the run (None: none drafted)
+    accepted_per_request: float = 0.0  # draft tokens accepted per request per pass
 
 
 def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None:
@@ -72,13 +72,15 @@ Runner = Callable[[list, int, Any], BatchRun]  # (prompts, batch size, arrival t
 
 def pipeline_runner(pipeline: Pipeline, max_new_tokens: int) -> Runner:
     def run(prompts: list[list[int]], size: int, arrivals=None) -> BatchRun:
+        if pipeline.proposer is not None:  # every run starts alike: no memory of the runs before
+            pipeline.proposer.forget()
         batch = pipeline.generate_batch(prompts, max_new_tokens, batch_size=size, arrivals=arrivals)
         stats = batch.stats
-        drafted = sum(stats.drafted) / max(sum(stats.active), 1)
-        proposed = sum(r.stats.proposed for r in batch.results)
-        acceptance = sum(r.stats.accepted for r in batch.results) / proposed if proposed else None
+        request_passes = max(sum(stats.active), 1)
+        drafted = sum(stats.drafted) / request_passes
+        accepted = sum(r.stats.accepted for r in batch.results) / request_passes
         return BatchRun(
-            [r.tokens for r in batch.results], stats.wall_time, stats.latencies, drafted, acceptance
+            [r.tokens for r in batch.results], stats.wall_time, stats.latencies, drafted, accepted
         )
 
     return run
@@ -160,25 +162,27 @@ def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipe
     return payload
 
 
-def stop_estimate(acceptance: float, curve, largest: int) -> int | None:
-    """The cost model's batch size where drafting stops paying: the smallest B at which one
-    draft node, accepted at rate ``acceptance``, adds less to a pass of B standard rows than
-    it costs, (B + v) / T(B + 1) <= B / T(B) (None: it pays up to ``largest``)."""
+def stop_estimate(accepted: float, drafted: float, curve, largest: int) -> int | None:
+    """The cost model's batch size where drafting stops paying: the smallest B at which B
+    requests each drafting ``drafted`` tokens and gaining ``accepted`` per pass (their figures
+    alone) yield fewer tokens per second than B standard rows,
+    (1 + accepted) / T(B (1 + drafted)) <= 1 / T(B) (None: it pays up to ``largest``)."""
     for size in range(1, largest + 1):
-        if (size + acceptance) / curve(size + 1) <= size / curve(size):
+        if (1 + accepted) / curve(size * (1 + drafted)) <= 1 / curve(size):
             return size
     return None
 
 
 def stop_estimates(rows: list[dict], curve, largest: int) -> dict:
-    """Per pipeline, :func:`stop_estimate` at its acceptance at the smallest batch size run."""
+    """Per pipeline, :func:`stop_estimate` from its drafts at the smallest batch size run."""
     estimates = {}
     for row in sorted(rows, key=lambda r: r["batch_size"]):
-        name, acceptance = row["pipeline"], row.get("acceptance")
-        if name not in estimates and acceptance:
+        name, accepted, drafted = row["pipeline"], row["accepted_per_request"], row["drafted_per_request"]
+        if name not in estimates and drafted > 0:
             estimates[name] = {
-                "acceptance": acceptance,
-                "stops_at": stop_estimate(acceptance, curve, 4 * largest),
+                "accepted_per_request": accepted,
+                "drafted_per_request": drafted,
+                "stops_at": stop_estimate(accepted, drafted, curve, 4 * largest),
             }
     return estimates
 
@@ -201,15 +205,10 @@ def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[i
                 "latency_p90": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
                 "drafted_per_request": statistics.mean(run.drafted_per_request for run in each),
                 "identical_outputs": sum(same) / len(same),
-                "acceptance": _mean_or_none([run.acceptance for run in each]),
+                "accepted_per_request": statistics.mean(run.accepted_per_request for run in each),
             }
         )
     return rows
-
-
-def _mean_or_none(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.mean(present) if present else None
 
 
 def format_batch_table(payload: dict) -> str:
@@ -228,7 +227,8 @@ def format_batch_table(payload: dict) -> str:
         )
     for name, estimate in (payload.get("stop_estimates") or {}).items():
         lines.append(
-            f"cost model: {name} (acceptance {estimate['acceptance']:.2f}) stops paying at batch size "
+            f"cost model: {name} ({estimate['drafted_per_request']:.2f} drafted, "
+            f"{estimate['accepted_per_request']:.2f} accepted per request per pass alone) stops paying at batch size "
             f"{estimate['stops_at'] or 'beyond ' + str(4 * max(payload['batch_sizes']))}"
         )
     return "\n".join(lines)

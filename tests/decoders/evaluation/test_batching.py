@@ -68,7 +68,8 @@ def test_the_cost_models_stop_estimate():
     from specdec.decoders.models.cost import CostCurve
 
     steep_after_8 = CostCurve({1: 1.0, 8: 1.0, 9: 2.0, 64: 57.0})
-    assert stop_estimate(0.5, steep_after_8, 64) == 8  # 8 standard rows fill the flat part
-    assert stop_estimate(0.5, CostCurve({1: 1.0, 512: 1.0}), 64) is None  # a flat T pays at any size
-    linear = CostCurve({1: 1.0, 101: 2.0})  # each row 1% of T(1): pays while v > B * 0.01 / T(B)
-    assert stop_estimate(0.3, linear, 64) == 43
+    # each request drafting 1 token and gaining 0.5 per pass: 4 requests fill the flat 8 rows, 5 do not
+    assert stop_estimate(0.5, 1.0, steep_after_8, 64) == 5
+    assert stop_estimate(0.5, 1.0, CostCurve({1: 1.0, 512: 1.0}), 64) is None  # a flat T pays at any size
+    linear = CostCurve({1: 1.0, 101: 2.0})  # each row 1% of T(1): (1.3) / T(2B) <= 1 / T(B) from B = 43
+    assert stop_estimate(0.3, 1.0, linear, 64) == 43
