@@ -130,6 +130,11 @@ def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipe
         runners[name] = pipeline_runner(pipeline, bench.max_new_tokens)
     if bench.peers and arrivals is None:  # generate has no continuous batching: static groups only
         runners[HF] = hf_runner(base.model, sorted(base.eos_token_ids()), bench.max_new_tokens)
+    # the cost model: one request's passes (the cached T(n), not the live times: those learn the
+    # packed passes of this run, which cost more than one request's pass of as many rows)
+    cost_model = base.context.fixed_cost_curve or base.target.cost_curve(
+        base.context.target_key, base.context.cost_cache_dir
+    )
     reference = runners[STANDARD](ids, 1).tokens  # each alone
     for runner in runners.values():  # warm-up: one small batch each
         runner(ids[:2], 2)
@@ -156,7 +161,7 @@ def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipe
                 runs[name].append(runners[name](ids, size, arrivals))
                 progress.update()
         rows += size_rows(size, runs, reference)
-        payload["stop_estimates"] = stop_estimates(rows, base.context.cost_curve(), max(sizes))
+        payload["stop_estimates"] = stop_estimates(rows, cost_model, max(sizes))
         write_json(Path(bench.output), payload)
     progress.close()
     return payload
