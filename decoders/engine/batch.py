@@ -149,7 +149,7 @@ def _plan(active: list[_Slot], target, sizing) -> list[PlannedRound]:
     for k, slot in enumerate(active):
         later = len(active) - k - 1
         if sizing is not None:
-            sizing.beside(rows + later, tokens + later)
+            sizing.beside(rows + later, tokens + later, len(active))
         room = None if widest is None else max(widest - rows - later, 1)
         plan = slot.decoding.plan(room)  # type: ignore[union-attr]
         planned.append(plan)
@@ -160,8 +160,9 @@ def _plan(active: list[_Slot], target, sizing) -> list[PlannedRound]:
 
 
 def _record_pass(target, active: list[_Slot], rows: int, seconds: float) -> None:
-    """A packed pass teaches the live T(n) its width's cost (at the requests' mean context)."""
-    timing = target.pass_times() if target is not None else None
+    """A packed pass teaches the live T(n) of packed passes over as many requests its
+    width's cost (at the requests' mean context); a request's own passes keep theirs."""
+    timing = target.pass_times(requests=len(active)) if target is not None else None
     if timing is not None:
         timing.at_context(sum(len(slot.session) for slot in active) // len(active))
         timing.record(rows, seconds)

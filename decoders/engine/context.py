@@ -34,7 +34,7 @@ class PipelineContext:
         if isinstance(self.target, torch.nn.Module):  # a bare module runs its passes as they are
             self.target = as_target(self.target)
         if self.sizing is None:
-            self.sizing = default_sizing(lambda: self.cost_curve())  # looked up when read
+            self.sizing = default_sizing(self.cost_curve, self.batch_cost_curve)  # looked up when read
 
     @property
     def target_key(self) -> str:
@@ -92,6 +92,15 @@ class PipelineContext:
         if not self.model_config.live_cost or fixed_by_environment():
             return curve
         return self.target.pass_times(curve).curve
+
+    def batch_cost_curve(self, requests: int) -> CostCurve | None:
+        """T(n) of a packed pass over ``requests`` requests, followed live like
+        :meth:`cost_curve` (from its curve until the batch's passes are timed); None where
+        the T(n) is fixed (given, or not followed live): the sizers' own curve then."""
+        if self.fixed_cost_curve is not None or not self.model_config.live_cost or fixed_by_environment():
+            return None
+        curve = self.target.cost_curve(self.target_key, self.cost_cache_dir)
+        return self.target.pass_times(curve, requests).curve
 
 
 def artifact_source(directory: Path) -> dict:

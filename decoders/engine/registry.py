@@ -270,8 +270,8 @@ def register_verifier(name: str) -> Callable[[type[T]], type[T]]:
 SIZING_MODULE = "specdec.decoders.sizing.policy"
 
 
-def default_sizing(cost_curve: Callable[[], Any]) -> Any:
+def default_sizing(cost_curve: Callable[[], Any], batch_curve: Callable[[int], Any] | None = None) -> Any:
     """A pipeline's sizing policy unless it is given one (``decoders/sizing/policy.py``:
     every draft's size and the round gate), reached by module name like the built-in
     proposers: the sizing layer sits above the engine that uses it."""
-    return importlib.import_module(SIZING_MODULE).SizingPolicy(cost_curve)
+    return importlib.import_module(SIZING_MODULE).SizingPolicy(cost_curve, batch_curve=batch_curve)

@@ -145,9 +145,10 @@ def packed_forward(
     finally:
         layout.clear()
     hidden = outputs.last_hidden_state[0]  # (rows, hidden)
+    every = first.lm_head(hidden)  # the LM head over all rows at once: a linear, per row like the others
     logits = []
     for session, block, (start, end) in zip(sessions, blocks, spans):
         session.hidden = hidden[start:end]
         session.cached.extend(block)
-        logits.append(session.lm_head(session.hidden))
+        logits.append(every[start:end])
     return logits

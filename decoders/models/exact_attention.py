@@ -48,22 +48,28 @@ MAX_ROWS = 64  # wider passes (the prefill) use SDPA
 
 
 class TailLayouts:
-    """The last pass's tail layout (:func:`tail_layout`): one pass calls every layer with
-    the same mask, so the layers after the first reuse it. One per
-    :class:`specdec.decoders.models.target.Target` (the attention it registers carries it)."""
+    """The tail layouts (:func:`tail_layout`) of the pass running: one pass calls every layer
+    with the same mask, so the layers after the first reuse its layout; a packed pass over
+    several requests (:mod:`specdec.decoders.models.batch`) has one per request, each
+    reused by every layer. Layouts are keyed by the mask's identity, the prefix and the
+    rows, and dropped once more than ``keep`` are held (a new pass's masks are new
+    tensors). One per :class:`specdec.decoders.models.target.Target` (the attention it
+    registers carries it)."""
 
-    def __init__(self) -> None:
-        self.last: tuple[weakref.ref | None, int, int, Layout | None] | None = None
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self.held: dict[tuple[int, int, int], tuple[weakref.ref | None, Layout | None]] = {}
 
     def __call__(self, mask: torch.Tensor | None, prefix: int, rows: int, device: torch.device):
-        last = self.last
-        if last is not None and last[1:3] == (prefix, rows):
-            if (mask is None and last[0] is None) or (
-                mask is not None and last[0] is not None and last[0]() is mask
-            ):
-                return last[3]
+        key = (0 if mask is None else id(mask), prefix, rows)
+        if (found := self.held.get(key)) is not None:
+            ref, layout = found
+            if ref is None or ref() is mask:  # (an id can be reused once its tensor is gone)
+                return layout
         layout = tail_layout(mask, prefix, rows, device)
-        self.last = (None if mask is None else weakref.ref(mask), prefix, rows, layout)
+        if len(self.held) >= self.keep:
+            self.held.clear()
+        self.held[key] = (None if mask is None else weakref.ref(mask), layout)
         return layout
 
 

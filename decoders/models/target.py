@@ -75,7 +75,7 @@ class Target:
         self._batch_layout = BatchLayout()  # the packed attention's view of the pass running
         self._registered: list[str] = []
         self._tap: LayerTap | None = None
-        self._pass_times: dict[bool, PassTimes] = {}  # by exact mode
+        self._pass_times: dict[tuple[bool, int], PassTimes] = {}  # by exact mode and requests per pass
         self._curves: dict[tuple, CostCurve] = {}  # by (key, exact mode)
         # the routes installed so far, by mode (the target's and its drafters' linears alike),
         # sharing the packed weight copies and the exact products' measured widths: switching
@@ -258,13 +258,18 @@ class Target:
             self._curves[slot] = cached_cost_curve(self.model, key, cache_dir, exact=self.exact)
         return self._curves[slot]
 
-    def pass_times(self, base: CostCurve | None = None) -> PassTimes | None:
+    def pass_times(self, base: CostCurve | None = None, requests: int = 0) -> PassTimes | None:
         """The live times of this target's passes in the current pass mode, shared by every
         pipeline over it (the baseline included). Started from ``base`` on first use; without
-        ``base``, None until some pipeline follows its live cost."""
-        if self.exact not in self._pass_times and base is not None:
-            self._pass_times[self.exact] = PassTimes(base)
-        return self._pass_times.get(self.exact)
+        ``base``, None until some pipeline follows its live cost. ``requests``: the times of
+        packed passes over that many requests (:meth:`packed_forward`), kept apart from a
+        request's own passes (0): a packed pass of n rows costs more than one request's pass
+        of n rows (attention runs per request), and what a batch taught must not size the
+        single requests decoded after it."""
+        slot = (self.exact, requests)
+        if slot not in self._pass_times and base is not None:
+            self._pass_times[slot] = PassTimes(base)
+        return self._pass_times.get(slot)
 
 
 def _attention_function(model: torch.nn.Module, name: str | None):

@@ -85,17 +85,28 @@ class SizingPolicy:
     """Every sizer of one pipeline, built over its target's T(n) (``cost_curve``, read on
     first use). See the module."""
 
-    def __init__(self, cost_curve: Callable[[], CostCurve], min_gain: float = MIN_GAIN) -> None:
+    def __init__(
+        self,
+        cost_curve: Callable[[], CostCurve],
+        min_gain: float = MIN_GAIN,
+        batch_curve: Callable[[int], CostCurve | None] | None = None,
+    ) -> None:
         self.cost_curve = cost_curve
         self.min_gain = min_gain
+        # T(n) of a packed pass over that many requests (None: cost_curve's)
+        self.batch_curve = batch_curve
         self._beside = Beside()  # read by every sizer handed out (a batch's other rows)
 
-    def beside(self, rows: int, tokens: float) -> None:
+    def beside(self, rows: int, tokens: float, requests: int = 0) -> None:
         """The rest of the pass the next draft joins: ``rows`` of other requests, expected
-        to yield ``tokens`` (a batch tells it before each request drafts; alone: 0, 0).
-        Every sizer then weighs a draft by the whole pass's tokens per second: its nodes
-        priced at T(rows + 1 + n), its tokens added to the others'."""
-        self._beside.rows, self._beside.tokens = rows, tokens
+        to yield ``tokens``, in a packed pass over ``requests`` requests (a batch tells it
+        before each request drafts; alone: 0, 0, 0). Every sizer then weighs a draft by the
+        whole pass's tokens per second: its nodes priced at T(rows + 1 + n), T of the packed
+        passes over that many requests where ``batch_curve`` gives one, its tokens added to
+        the others'."""
+        beside = self._beside
+        beside.rows, beside.tokens = rows, tokens
+        beside.curve = self.batch_curve(requests) if requests and self.batch_curve is not None else None
 
     def chain(self, max_len: int, explore_every: int = 16) -> DraftLengthPolicy:
         """A chain's length, 0 .. ``max_len``, per situation (``choose(key, available)``)."""

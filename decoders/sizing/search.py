@@ -87,6 +87,7 @@ class Beside:
 
     rows: int = 0
     tokens: float = 0.0
+    curve: CostCurve | None = None  # the T(n) of the batch's packed passes (None: the sizer's own)
 
 
 class PassSeconds:
@@ -105,15 +106,18 @@ class PassSeconds:
         self.beside = beside or Beside()
         self._seconds: list[float] | None = None
         self._curve: CostCurve | None = None
-        self._version: tuple[int, int] = (-1, 0)
+        self._version: tuple[int, int, int] = (0, -1, 0)
 
     def __call__(self) -> list[float]:
-        if self._curve is None:
-            self._curve = self._target_cost()
+        curve = self.beside.curve
+        if curve is None:
+            if self._curve is None:
+                self._curve = self._target_cost()
+            curve = self._curve
         rows = self.beside.rows
-        if self._seconds is None or (self._curve.version, rows) != self._version:
-            self._version = (self._curve.version, rows)
-            self._seconds = self._curve.non_decreasing(self.max_tokens + rows)[rows:]
+        if self._seconds is None or (id(curve), curve.version, rows) != self._version:
+            self._version = (id(curve), curve.version, rows)
+            self._seconds = curve.non_decreasing(self.max_tokens + rows)[rows:]
         return self._seconds
 
     @property
