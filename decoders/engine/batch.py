@@ -142,7 +142,11 @@ def decode_batch(
 def _plan(active: list[_Slot], target, sizing) -> list[PlannedRound]:
     """Every active request's round, planned in turn: each told the rest of the pass (the
     rows and expected tokens of those planned, one row and token for each still to plan)
-    and, in exact mode, given the rows left within the widest exact pass."""
+    and, in exact mode, given the rows left within the widest exact pass. Then the drafts
+    are weighed together (:meth:`SizingPolicy.joint`): over every request's nodes, ranked
+    by their estimated value, the pass keeps those that raise its tokens per second, so a
+    request planned early (which knew only the others' pending rows) gives way to a more
+    valuable node of one planned after it."""
     widest = target.widest_exact_pass if target is not None else None
     planned: list[PlannedRound] = []
     rows, tokens = 0, 0.0
@@ -156,7 +160,10 @@ def _plan(active: list[_Slot], target, sizing) -> list[PlannedRound]:
         rows += len(plan.block)
         values = plan.draft.values
         tokens += 1.0 + (sum(values) if values else 0.0)
-    return planned
+    if sizing is None or len(planned) < 2 or not any(len(p.draft) for p in planned):
+        return planned
+    kept = sizing.joint([(p.draft.parents, p.draft.values) for p in planned])
+    return [plan.keeping(nodes) for plan, nodes in zip(planned, kept)]
 
 
 def _record_pass(target, active: list[_Slot], rows: int, seconds: float) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specdec.decoders.engine.constraint import GrammarState
@@ -69,6 +69,15 @@ class PlannedRound:
     tick: float  # when drafting started
     tock: float  # when drafting ended
     timing: object | None  # the target's live pass times, if followed
+
+    def keeping(self, nodes: list[int]) -> PlannedRound:
+        """This round with its draft cut to ``nodes`` (closed under taking parents, in
+        order): a batch's joint choice drops the nodes that do not pay in the whole pass."""
+        if len(nodes) == len(self.draft):
+            return self
+        draft = self.draft.select(nodes)
+        parents = None if draft.is_chain else [-1] + [p + 1 for p in draft.parents]
+        return replace(self, draft=draft, block=[self.block[0]] + draft.tokens, parents=parents)
 
 
 @dataclass

@@ -11,7 +11,9 @@ At each size the contenders take turns (the order rotating from repeat to repeat
 warm-up batch each; a row reports total new tokens per second, the speedup over batched
 standard decoding at that size, per-request latency (median, p90: arrival to last token),
 the draft tokens per request per pass, and ``same``: the share of requests whose output is
-decoding it alone with standard decoding (greedy).
+decoding it alone with standard decoding (greedy). With ``bench.aa`` (the default), batched
+standard decoding runs twice, in turn with the rest: the twin's speedup at each size is the
+noise band of that size's figures.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from tqdm import tqdm
 from specdec.decoders.engine.files import write_json
 from specdec.decoders.engine.pipeline import Pipeline
 from specdec.decoders.evaluation.bench_config import BenchConfig
+from specdec.decoders.evaluation.bench_results import AA_TOLERANCE, aa_within
+from specdec.decoders.evaluation.contenders import AA
 from specdec.decoders.models.machine import machine_info, machine_line
 
 STANDARD = "standard"
@@ -123,6 +127,9 @@ def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipe
     arrivals = arrival_times(bench.arrivals, len(ids))
     runners: dict[str, Runner] = {STANDARD: pipeline_runner(base, bench.max_new_tokens)}
     for pipeline in pipelines[1:]:
+        if pipeline.proposer is None:  # the A/A twin (bench.aa): standard decoding again, apart
+            runners[AA] = pipeline_runner(pipeline, bench.max_new_tokens)
+            continue
         name = pipeline.name
         if (reason := pipeline.proposer.batch_refusal if pipeline.proposer else None) is not None:
             print(f"[bench] skipping {name} in batches: {reason}", file=sys.stderr)
@@ -230,6 +237,13 @@ def format_batch_table(payload: dict) -> str:
             f"{row['latency_median']:>7.2f}s {row['latency_p90']:>7.2f}s {row['drafted_per_request']:>8.2f} "
             f"{row['identical_outputs']:>5.2f}"
         )
+    for size in payload["batch_sizes"]:
+        twin = next((r for r in payload["rows"] if r["pipeline"] == AA and r["batch_size"] == size), None)
+        if twin is not None:
+            verdict = "within" if aa_within(twin["speedup"]) else "warning: outside"
+            lines.append(
+                f"A/A twin at batch {size}: {twin['speedup']:.3f}x, {verdict} ±{AA_TOLERANCE:.0%} (the noise band)"
+            )
     for name, estimate in (payload.get("stop_estimates") or {}).items():
         lines.append(
             f"cost model: {name} ({estimate['drafted_per_request']:.2f} drafted, "

@@ -108,6 +108,49 @@ class SizingPolicy:
         beside.rows, beside.tokens = rows, tokens
         beside.curve = self.batch_curve(requests) if requests and self.batch_curve is not None else None
 
+    def pass_curve(self, requests: int = 0) -> CostCurve:
+        """T(n) of a packed pass over ``requests`` requests where ``batch_curve`` gives one,
+        else of a request's own pass."""
+        curve = self.batch_curve(requests) if requests and self.batch_curve is not None else None
+        return curve if curve is not None else self.cost_curve()
+
+    def joint(self, drafts: list[tuple[list[int], list[float] | None]]) -> list[list[int]]:
+        """A batch's drafts chosen together for its one pass: ``drafts`` are every request's
+        (parents, values), values the estimated chance that each node is accepted (None: a
+        draft kept whole). Every valued node of every request is ranked by its value (capped
+        by its parent's, so each prefix of the ranking is a set of trees), and the best
+        prefix is the one the whole pass yields most tokens per second with: T(n) over every
+        request's pending row, the drafts kept whole and the nodes taken. Returns the nodes
+        each draft keeps, in order."""
+        rows, tokens = 0, 0.0  # what the pass holds anyway
+        keep: list[list[int]] = []
+        ranked: list[tuple[float, int, int]] = []  # (-value, request, node)
+        for request, (parents, values) in enumerate(drafts):
+            rows, tokens = rows + 1, tokens + 1.0
+            if values is None:
+                rows += len(parents)
+                keep.append(list(range(len(parents))))
+                continue
+            keep.append([])
+            capped: list[float] = []
+            for node, (parent, value) in enumerate(zip(parents, values)):
+                capped.append(min(value, capped[parent]) if parent >= 0 else value)
+                ranked.append((-capped[node], request, node))
+        if not ranked:
+            return keep
+        ranked.sort()  # best first; a parent before its children (value >= theirs, index lower)
+        seconds = self.pass_curve(len(drafts)).non_decreasing(rows + len(ranked))[rows - 1 :]  # T(rows + m)
+        taken, _ = best_size(
+            [-value for value, _, _ in ranked],
+            seconds,
+            min_gain=self.min_gain,
+            allow_empty=True,
+            base_tokens=tokens,
+        )
+        for _, request, node in ranked[:taken]:
+            keep[request].append(node)
+        return [sorted(nodes) for nodes in keep]
+
     def chain(self, max_len: int, explore_every: int = 16) -> DraftLengthPolicy:
         """A chain's length, 0 .. ``max_len``, per situation (``choose(key, available)``)."""
         return DraftLengthPolicy(max_len, self.cost_curve, explore_every, self.min_gain, self._beside)

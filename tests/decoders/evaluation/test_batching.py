@@ -19,7 +19,7 @@ def test_batch_mode_reports_every_contender_at_every_size(tmp_path, monkeypatch,
     results = json.loads((run_dir / "results.json").read_text())
     assert results["mode"] == "batch" and results["batch_sizes"] == [1, 3] and results["prompts"] == 3
     rows = {(row["pipeline"], row["batch_size"]): row for row in results["rows"]}
-    names = {"standard", "ngram+greedy", "suffix+tree", "hf_generate"}
+    names = {"standard", "standard (A/A)", "ngram+greedy", "suffix+tree", "hf_generate"}
     assert set(rows) == {(name, size) for name in names for size in (1, 3)}
     for (name, size), row in rows.items():
         assert row["tokens_per_s"] > 0 and row["latency_p90"] >= row["latency_median"] > 0
@@ -31,6 +31,8 @@ def test_batch_mode_reports_every_contender_at_every_size(tmp_path, monkeypatch,
     assert (run_dir / "batch_throughput.png").exists() and (run_dir / "batch_drafted.png").exists()
     table = capsys.readouterr().out
     assert "batch pipeline" in table and "suffix+tree" in table
+    assert rows[("standard (A/A)", 3)]["drafted_per_request"] == 0.0  # the twin: standard decoding again
+    assert "A/A twin at batch 1:" in table and "A/A twin at batch 3:" in table
 
 
 def test_continuous_arrivals_run_without_the_static_peer(tmp_path, monkeypatch):
@@ -38,7 +40,7 @@ def test_continuous_arrivals_run_without_the_static_peer(tmp_path, monkeypatch):
     overrides = ["proposer=ngram", "bench.batch_size=2", "bench.arrivals=[0,0.05,0.1]", "bench.peers=true"]
     run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), f"hydra.run.dir={run_dir}", *overrides))
     results = json.loads((run_dir / "results.json").read_text())
-    assert {row["pipeline"] for row in results["rows"]} == {"standard", "ngram+greedy"}
+    assert {row["pipeline"] for row in results["rows"]} == {"standard", "standard (A/A)", "ngram+greedy"}
     assert results["arrivals"] == [0, 0.05, 0.1]
 
 

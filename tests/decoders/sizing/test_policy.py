@@ -115,3 +115,25 @@ def test_proposers_size_nothing_themselves():
                 if node.module != "specdec.decoders.sizing.policy":
                     offenders.append(f"{path.relative_to(REPO_ROOT)}: from {node.module}")
     assert not offenders, offenders
+
+
+def test_a_batchs_drafts_are_chosen_together_by_the_whole_pass():
+    """SizingPolicy.joint: over every request's nodes, ranked by value (a child's capped by
+    its parent's), the pass keeps the best prefix by its tokens per second. Under a T(n)
+    flat to 4 rows then steep, two requests' pending rows leave two free rows: they go to
+    the two most valuable nodes of the batch, one per request here, not to the first
+    request's chain."""
+    curve = CostCurve({1: 1.0, 4: 1.0, 5: 3.0, 64: 121.0})
+    policy = SizingPolicy(lambda: curve)
+    chain = [-1, 0, 1]
+    assert policy.joint([(chain, [0.9, 0.8, 0.7]), ([-1, 0], [0.95, 0.2])]) == [[0], [0]]
+    # a child is worth no more than its parent: node 1 (0.99, under a root of 0.3) ranks
+    # after the second root's branch, and no node is kept without its parent
+    assert policy.joint([([-1, 0, -1], [0.3, 0.99, 0.5])]) == [[0, 1, 2]]
+    assert policy.joint([([-1, 0, -1, 2], [0.3, 0.99, 0.5, 0.45])]) == [[0, 2, 3]]
+    # a draft without values is kept whole and fills the flat part: nothing else pays
+    assert policy.joint([([-1, 0], None), (chain, [0.9, 0.8, 0.7])]) == [[0, 1], []]
+    # the batch's own curve where the policy has one
+    steep = CostCurve({1: 1.0, 64: 64.0})
+    batched = SizingPolicy(lambda: curve, batch_curve=lambda requests: steep)
+    assert batched.joint([(chain, [0.9, 0.8, 0.7]), ([-1, 0], [0.95, 0.2])]) == [[], []]
