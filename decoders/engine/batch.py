@@ -18,8 +18,11 @@ each once it has arrived (``arrivals``: seconds after the start; default all at 
 A joining request's prefill is a pass of its own. Before each request plans, the sizing
 policy is told what the rest of the pass holds (:meth:`SizingPolicy.beside`): the rows
 the other requests put in it and the tokens they are expected to yield, so a draft is
-sized by what it adds to the whole pass's tokens per second, and drafts shrink, then stop,
-as the batch makes the pass dearer.
+sized by what it adds to the whole pass's tokens per second; then the pass keeps the nodes
+that pay over every request's (:meth:`SizingPolicy.joint`). Drafts shrink, then stop, as
+the batch makes the pass dearer; and where drafting itself (a model's forward passes for
+every request) costs more than the nodes left give, the pipeline's batch gate
+(:mod:`specdec.decoders.sizing.batch_gate`) keeps the round plain before anyone drafts.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class BatchStats:
     rows: list[int] = field(default_factory=list)  # per pass: the rows of every request's block
     drafted: list[int] = field(default_factory=list)  # per pass: draft tokens over all requests
     active: list[int] = field(default_factory=list)  # per pass: requests in it
+    plain_rounds: int = 0  # passes the gate kept plain (no request drafted)
     latencies: list[float] = field(default_factory=list)  # per request: arrival to last token (s)
 
     def as_dict(self) -> dict:
@@ -50,6 +54,7 @@ class BatchStats:
             "rounds": self.rounds,
             "mean_rows_per_pass": sum(self.rows) / max(len(self.rows), 1),
             "mean_drafted_per_request": sum(self.drafted) / max(sum(self.active), 1),
+            "plain_rounds": self.plain_rounds,
             "latencies": self.latencies,
         }
 
@@ -69,8 +74,8 @@ def check_batchable(proposer: Proposer | None, gate: object | None) -> None:
         raise ValueError(reason)
     if gate is not None:
         raise ValueError(
-            "round_gate=true decides from one request's rounds; a batch's sizing weighs every "
-            "request's draft against the pass: build the pipeline with round_gate=false"
+            "round_gate=true decides from one request's rounds; a batch has its own gate (whether "
+            "a round over its requests drafts): build the pipeline with round_gate=false"
         )
 
 
@@ -83,11 +88,13 @@ def decode_batch(
     sizing: object | None = None,
     arrivals: Sequence[float] | None = None,
     on_done: Callable[[int, Decoding], None] | None = None,
+    gate: object | None = None,
 ) -> BatchStats:
     """Decode requests 0 .. count - 1, at most ``size`` at once: ``start(i, session,
     proposer)`` prefills request i on a slot's session and proposer; ``on_done(i, decoding)``
     takes it when it ends. ``sizing``: the policy the proposers' sizers come from (told
-    what the rest of each pass holds)."""
+    what the rest of each pass holds). ``gate``: whether each round drafts at all
+    (:class:`~specdec.decoders.sizing.batch_gate.BatchGate`; None: every round drafts)."""
     if size < 1:
         raise ValueError(f"batch_size must be >= 1, got {size}")
     if arrivals is not None and len(arrivals) != count:
@@ -117,7 +124,9 @@ def decode_batch(
                 continue
             rotation = (rotation + 1) % len(active)  # who plans first (and gets the widest room) rotates
             active = active[rotation:] + active[:rotation]
-            planned = _plan(active, target, sizing)
+            round_start = time.perf_counter()
+            drafting = gate is None or gate.drafts(len(active))  # type: ignore[attr-defined]
+            planned = _plan(active, target, sizing, drafting)
             tock = time.perf_counter()
             logits = target.packed_forward(
                 [slot.session for slot in active], [p.block for p in planned], [p.parents for p in planned]
@@ -129,9 +138,15 @@ def decode_batch(
             stats.rows.append(rows)
             stats.drafted.append(rows - len(active))
             stats.active.append(len(active))
+            stats.plain_rounds += not drafting
+            emitted = 0
             for slot, plan, block_logits in zip(active, planned, logits):
+                before = len(slot.decoding.tokens)  # type: ignore[union-attr]
                 slot.decoding.settle(plan, block_logits, seconds, timed=False)  # type: ignore[union-attr]
+                emitted += len(slot.decoding.tokens) - before  # type: ignore[union-attr]
                 _finish_if_done(slot, stats, begin, on_done)
+            if gate is not None:
+                gate.record(len(active), drafting, emitted, time.perf_counter() - round_start)  # type: ignore[attr-defined]
         stats.wall_time = time.perf_counter() - begin
     finally:
         if sizing is not None:  # single requests after the batch are sized alone again
@@ -139,7 +154,7 @@ def decode_batch(
     return stats
 
 
-def _plan(active: list[_Slot], target, sizing) -> list[PlannedRound]:
+def _plan(active: list[_Slot], target, sizing, drafting: bool = True) -> list[PlannedRound]:
     """Every active request's round, planned in turn: each told the rest of the pass (the
     rows and expected tokens of those planned, one row and token for each still to plan)
     and, in exact mode, given the rows left within the widest exact pass. Then the drafts
@@ -155,7 +170,7 @@ def _plan(active: list[_Slot], target, sizing) -> list[PlannedRound]:
         if sizing is not None:
             sizing.beside(rows + later, tokens + later, len(active))
         room = None if widest is None else max(widest - rows - later, 1)
-        plan = slot.decoding.plan(room)  # type: ignore[union-attr]
+        plan = slot.decoding.plan(room, drafting)  # type: ignore[union-attr]
         planned.append(plan)
         rows += len(plan.block)
         values = plan.draft.values

@@ -93,11 +93,18 @@ class PipelineContext:
             return curve
         return self.target.pass_times(curve).curve
 
+    @property
+    def live_cost(self) -> bool:
+        """Whether the pipeline follows what its passes take (else its T(n) is fixed: given,
+        ``SPECDEC_COST_CURVE``, or ``model.live_cost=false``, and its decisions are the
+        curve's alone)."""
+        return self.fixed_cost_curve is None and self.model_config.live_cost and not fixed_by_environment()
+
     def batch_cost_curve(self, requests: int) -> CostCurve | None:
         """T(n) of a packed pass over ``requests`` requests, followed live like
         :meth:`cost_curve` (from its curve until the batch's passes are timed); None where
         the T(n) is fixed (given, or not followed live): the sizers' own curve then."""
-        if self.fixed_cost_curve is not None or not self.model_config.live_cost or fixed_by_environment():
+        if not self.live_cost:
             return None
         curve = self.target.cost_curve(self.target_key, self.cost_cache_dir)
         return self.target.pass_times(curve, requests).curve

@@ -220,11 +220,12 @@ class Decoding:
             target_logits = self.proposer.verify_forward(self.target, planned.block, planned.parents)  # type: ignore[union-attr]
         self.settle(planned, target_logits, time.perf_counter() - tock)
 
-    def plan(self, room: int | None = None) -> PlannedRound:
+    def plan(self, room: int | None = None, draft: bool = True) -> PlannedRound:
         """The round's first half: the draft (cut to the grammar, the token budget, exact
         mode's widest pass and ``room`` tokens in all, pending token included) and the block
         the target's pass takes. A batch plans every request's round, runs one pass over
-        their blocks, then :meth:`settle` s each."""
+        their blocks, then :meth:`settle` s each. ``draft=False``: a plain round (a batch's
+        gate kept it so), the proposer told as when the round gate keeps one."""
         if self.done:
             raise RuntimeError("this request is finished")
         target, proposer, verifier, state = self.target, self.proposer, self.verifier, self.state
@@ -232,7 +233,7 @@ class Decoding:
         timing = self._pass_times()
         if timing is not None:  # the sizing reads T(n) after this many tokens
             timing.at_context(len(target))
-        drafting = proposer is not None and (self.gate is None or self.gate.drafts())
+        drafting = proposer is not None and draft and (self.gate is None or self.gate.drafts())
         if drafting:
             proposed = proposer.propose(state)  # type: ignore[union-attr]
         else:

@@ -113,6 +113,11 @@ class Pipeline:
         self.round_gate = round_gate
         gated = self.round_gate and self.proposer is not None and not self.proposer.drafts_in_target
         self.gate: RoundGate | None = self.sizing.round_gate() if gated else None
+        # a batch's rounds draft only where drafted rounds have paid at that many requests
+        # (decoders/sizing/batch_gate.py); a pipeline's own, like its round gate. It times the
+        # rounds, so it runs where the T(n) is followed live, not where it is fixed
+        gated_batches = self.proposer is not None and self.context.live_cost
+        self.batch_gate = self.sizing.batch_gate() if gated_batches else None
         self.label: str | None = None  # a name for results tables (default proposer+verifier)
         self._grammar_vocabulary: GrammarVocabulary | None = None  # built on the first constraint
         # every request's constraint unless it brings its own (None: unconstrained)
@@ -284,7 +289,15 @@ class Pipeline:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         size = max(1, min(count, batch_size or count))
         stats = decode_batch(
-            start, count, size, self.target.session, self.proposer, self.sizing, arrivals, done
+            start,
+            count,
+            size,
+            self.target.session,
+            self.proposer,
+            self.sizing,
+            arrivals,
+            done,
+            self.batch_gate,
         )
         return BatchResult(results, stats)  # type: ignore[arg-type]
 

@@ -10,7 +10,8 @@ groups of ``size``, left-padded, a group after the previous one (all arrived at 
 At each size the contenders take turns (the order rotating from repeat to repeat) after one
 warm-up batch each; a row reports total new tokens per second, the speedup over batched
 standard decoding at that size, per-request latency (median, p90: arrival to last token),
-the draft tokens per request per pass, and ``same``: the share of requests whose output is
+the draft tokens per request per pass, ``plain``: the share of passes the batch gate kept
+plain (:mod:`specdec.decoders.sizing.batch_gate`), and ``same``: the share of requests whose output is
 decoding it alone with standard decoding (greedy). With ``bench.aa`` (the default), batched
 standard decoding runs twice, in turn with the rest: the twin's speedup at each size is the
 noise band of that size's figures.
@@ -50,6 +51,7 @@ class BatchRun:
     latencies: list[float]  # per request: arrival to last token
     drafted_per_request: float  # draft tokens per request per pass (0 without drafts)
     accepted_per_request: float = 0.0  # draft tokens accepted per request per pass
+    plain_share: float = 0.0  # passes the batch gate kept plain, over all passes
 
 
 def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None:
@@ -78,13 +80,16 @@ def pipeline_runner(pipeline: Pipeline, max_new_tokens: int) -> Runner:
     def run(prompts: list[list[int]], size: int, arrivals=None) -> BatchRun:
         if pipeline.proposer is not None:  # every run starts alike: no memory of the runs before
             pipeline.proposer.forget()
+        if pipeline.batch_gate is not None:
+            pipeline.batch_gate.forget()
         batch = pipeline.generate_batch(prompts, max_new_tokens, batch_size=size, arrivals=arrivals)
         stats = batch.stats
         request_passes = max(sum(stats.active), 1)
         drafted = sum(stats.drafted) / request_passes
         accepted = sum(r.stats.accepted for r in batch.results) / request_passes
+        plain = stats.plain_rounds / max(stats.rounds, 1)
         return BatchRun(
-            [r.tokens for r in batch.results], stats.wall_time, stats.latencies, drafted, accepted
+            [r.tokens for r in batch.results], stats.wall_time, stats.latencies, drafted, accepted, plain
         )
 
     return run
@@ -218,6 +223,7 @@ def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[i
                 "drafted_per_request": statistics.mean(run.drafted_per_request for run in each),
                 "identical_outputs": sum(same) / len(same),
                 "accepted_per_request": statistics.mean(run.accepted_per_request for run in each),
+                "plain_share": statistics.mean(run.plain_share for run in each),
             }
         )
     return rows
@@ -229,13 +235,13 @@ def format_batch_table(payload: dict) -> str:
         f"{payload['max_new_tokens']}, arrivals {payload['arrivals'] or 'all at the start'}",
         f"machine: {machine_line(payload['machine'])}",
         f"{'batch':>5} {'pipeline':<22} {'tok/s':>8} {'speedup':>8} {'lat p50':>8} {'lat p90':>8} "
-        f"{'drafted':>8} {'same':>5}",
+        f"{'drafted':>8} {'plain':>6} {'same':>5}",
     ]
     for row in payload["rows"]:
         lines.append(
             f"{row['batch_size']:>5} {row['pipeline']:<22} {row['tokens_per_s']:>8.1f} {row['speedup']:>7.2f}x "
             f"{row['latency_median']:>7.2f}s {row['latency_p90']:>7.2f}s {row['drafted_per_request']:>8.2f} "
-            f"{row['identical_outputs']:>5.2f}"
+            f"{row.get('plain_share', 0.0):>6.2f} {row['identical_outputs']:>5.2f}"
         )
     for size in payload["batch_sizes"]:
         twin = next((r for r in payload["rows"] if r["pipeline"] == AA and r["batch_size"] == size), None)

@@ -16,7 +16,10 @@ how many to send:
 - :meth:`SizingPolicy.ranked`: candidates ranked by estimated value, each prefix a tree
   (suffix decoding, merge's joined tree; :class:`RankedNodes`);
 - :meth:`SizingPolicy.round_gate`: whether a round drafts at all
-  (:class:`~specdec.decoders.sizing.round_gate.RoundGate`).
+  (:class:`~specdec.decoders.sizing.round_gate.RoundGate`);
+- :meth:`SizingPolicy.joint` and :meth:`SizingPolicy.batch_gate`: a batch's drafts chosen
+  together for its pass, and whether its rounds draft at all
+  (:class:`~specdec.decoders.sizing.batch_gate.BatchGate`).
 
 Each sizer weighs the expected tokens of a size against its pass with the one search,
 :func:`~specdec.decoders.sizing.search.best_size`. A proposer keeps its sizer (what it
@@ -31,6 +34,7 @@ from typing import Any
 
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.sizing.acceptance import AcceptanceStats, confidence_bucket
+from specdec.decoders.sizing.batch_gate import BatchGate
 from specdec.decoders.sizing.draft_length import DraftLengthPolicy
 from specdec.decoders.sizing.dynamic_tree import DynamicTree, confidence_key
 from specdec.decoders.sizing.round_gate import RoundGate
@@ -172,6 +176,11 @@ class SizingPolicy:
     def round_gate(self) -> RoundGate:
         """Whether each round drafts at all, from what the drafted rounds gave and cost."""
         return RoundGate(self.cost_curve)
+
+    def batch_gate(self) -> BatchGate:
+        """Whether each round of a batch drafts at all, from the throughput of the drafted
+        and the plain rounds over as many requests (one per pipeline)."""
+        return BatchGate()
 
     def pass_seconds(self, max_tokens: int) -> PassSeconds:
         """T(1) .. T(max_tokens), non-decreasing: for a proposer that prices its own drafting

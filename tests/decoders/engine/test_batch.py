@@ -215,3 +215,27 @@ def test_constrained_requests_decode_as_they_would_alone(base, drafting_pays):
     batch = pipeline.generate_batch(prompts, 30, constraints=constraints)
     assert [result.tokens for result in batch.results] == alone
     assert sum(result.stats.accepted for result in batch.results) > 0
+
+
+class _PlainGate:
+    """A batch gate that keeps every round plain."""
+
+    def drafts(self, requests: int) -> bool:
+        return False
+
+    def record(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+        assert not drafted and tokens >= 1 and seconds > 0
+
+
+def test_rounds_the_batch_gate_keeps_plain_are_standard_decoding_steps(base):
+    """A round the batch gate keeps plain drafts nothing for any request (the proposer told,
+    as under the round gate) and each request still gets the tokens it gets alone."""
+    pipeline = base.with_components("copy_heads", "tree")
+    prompts = prompts_of_many_lengths()[:3]
+    alone = [pipeline.generate(p, 20).tokens for p in prompts]
+    assert pipeline.batch_gate is None  # the tests' T(n) is fixed: nothing is timed, no gate
+    pipeline.batch_gate = _PlainGate()
+    batch = pipeline.generate_batch(prompts, 20)
+    assert [result.tokens for result in batch.results] == alone
+    assert batch.stats.plain_rounds == batch.stats.rounds > 0 and sum(batch.stats.drafted) == 0
+    assert all(result.stats.proposed == 0 for result in batch.results)

@@ -1,0 +1,61 @@
+"""The batch gate: whether a batch's round drafts at all, from the throughput of the drafted
+and the plain rounds over as many requests (decoders/sizing/batch_gate.py)."""
+
+from __future__ import annotations
+
+from specdec.decoders.sizing.batch_gate import DRAFTED, PLAIN, BatchGate
+
+
+def run_rounds(gate: BatchGate, requests: int, rounds: int, rates: dict[bool, float]) -> list[bool]:
+    """``rounds`` rounds over ``requests`` requests, each giving its kind's rate (tokens/s)."""
+    decisions = []
+    for _ in range(rounds):
+        drafting = gate.drafts(requests)
+        decisions.append(drafting)
+        gate.record(requests, drafting, tokens=int(rates[drafting] * 10), seconds=10.0)
+    return decisions
+
+
+def test_each_kind_is_measured_then_the_faster_runs_and_the_other_is_probed():
+    gate = BatchGate(explore_every=5, min_rounds=3)
+    decisions = run_rounds(gate, 8, 33, {True: 30.0, False: 50.0})  # plain rounds are faster
+    assert decisions[:6] == [True] * 3 + [False] * 3  # drafted rounds first, then plain ones
+    assert gate.winner(8) == PLAIN
+    settled = decisions[6:]
+    assert settled.count(True) == len(settled) // 5  # one drafted probe every 5 rounds
+    assert gate.skipped == decisions.count(False) and gate.drafted == decisions.count(True)
+
+
+def test_where_drafting_pays_it_keeps_drafting_and_each_batch_size_learns_apart():
+    gate = BatchGate(explore_every=5, min_rounds=3)
+    run_rounds(gate, 2, 30, {True: 60.0, False: 40.0})
+    run_rounds(gate, 16, 30, {True: 60.0, False: 70.0})
+    assert gate.winner(2) == DRAFTED and gate.winner(16) == PLAIN and gate.winner(4) is None
+    # within the margin, drafting is kept (measured alike, it does not cost)
+    close = BatchGate(min_rounds=3, margin=0.02)
+    run_rounds(close, 4, 12, {True: 49.5, False: 50.0})
+    assert close.winner(4) == DRAFTED
+    close.forget()
+    assert close.winner(4) is None and close.drafts(4)
+    described = gate.describe()["by_requests"]
+    assert described[2]["drafts"] == DRAFTED and described[16]["plain"]["tokens_per_s"] == 70.0
+
+
+def test_a_pipeline_gates_its_batches_where_it_follows_its_passes(tiny_model, tiny_config, monkeypatch):
+    """The gate times rounds: a pipeline has one where its T(n) is followed live, none where
+    the T(n) is fixed (given, or ``SPECDEC_COST_CURVE``: the tests' own), nor without drafts."""
+    from specdec.decoders.engine.pipeline import Pipeline
+    from specdec.decoders.models.cost import COST_CURVE_ENV, CostCurve
+
+    model, tokenizer = tiny_model
+    monkeypatch.delenv(COST_CURVE_ENV, raising=False)
+    live = Pipeline(model, tokenizer, "ngram", model_config=tiny_config)
+    assert isinstance(live.batch_gate, BatchGate)
+    assert live.with_components("suffix", None).batch_gate is not live.batch_gate  # one per pipeline
+    assert Pipeline(model, tokenizer, None, model_config=tiny_config).batch_gate is None
+    fixed = Pipeline(
+        model, tokenizer, "ngram", model_config=tiny_config, cost_curve=CostCurve({1: 1.0, 8: 1.0})
+    )
+    assert fixed.batch_gate is None
+    monkeypatch.setenv(COST_CURVE_ENV, "/nonexistent-is-not-read-here.json")
+    assert Pipeline(model, tokenizer, "ngram", model_config=tiny_config).batch_gate is None
