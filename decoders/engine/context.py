@@ -34,7 +34,9 @@ class PipelineContext:
         if isinstance(self.target, torch.nn.Module):  # a bare module runs its passes as they are
             self.target = as_target(self.target)
         if self.sizing is None:
-            self.sizing = default_sizing(self.cost_curve, self.batch_cost_curve)  # looked up when read
+            self.sizing = default_sizing(  # looked up when read
+                lambda: self.cost_curve(), lambda requests: self.batch_cost_curve(requests)
+            )
 
     @property
     def target_key(self) -> str:
