@@ -110,13 +110,16 @@ class SizingPolicy:
         the others'."""
         beside = self._beside
         beside.rows, beside.tokens = rows, tokens
-        beside.curve = self.batch_curve(requests) if requests and self.batch_curve is not None else None
+        beside.curve = self._packed_curve(requests)
 
     def pass_curve(self, requests: int = 0) -> CostCurve:
         """T(n) of a packed pass over ``requests`` requests where ``batch_curve`` gives one,
         else of a request's own pass."""
-        curve = self.batch_curve(requests) if requests and self.batch_curve is not None else None
+        curve = self._packed_curve(requests)
         return curve if curve is not None else self.cost_curve()
+
+    def _packed_curve(self, requests: int) -> CostCurve | None:
+        return self.batch_curve(requests) if requests and self.batch_curve is not None else None
 
     def joint(self, drafts: list[tuple[list[int], list[float] | None]]) -> list[list[int]]:
         """A batch's drafts chosen together for its one pass: ``drafts`` are every request's
