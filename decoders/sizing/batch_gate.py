@@ -28,26 +28,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.decoders.sizing.round_gate import RoundAverages
+
 DRAFTED, PLAIN = "drafted", "plain"
 
 
-@dataclass
-class _Rate:
-    """Running averages of a kind of round: new tokens (over all requests) and seconds."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    rounds: int = 0
-
-    def add(self, tokens: float, seconds: float, weight: float) -> None:
-        weight = max(weight, 1.0 / (self.rounds + 1))  # the first rounds weigh in full
-        self.tokens += weight * (tokens - self.tokens)
-        self.seconds += weight * (seconds - self.seconds)
-        self.rounds += 1
+class _Rate(RoundAverages):
+    """A kind of batch round: new tokens over all requests, and seconds (its ``cost``)."""
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.tokens / self.cost if self.cost > 0 else 0.0
 
 
 @dataclass

@@ -65,9 +65,10 @@ AFTER_ACCEPT, AFTER_MISS = "after_accept", "after_miss"
 
 
 @dataclass
-class _Average:
-    """Averages of a situation's drafted rounds: tokens emitted, and seconds spent
-    (drafting and verifying) in units of T(1)."""
+class RoundAverages:
+    """Running averages of a kind of round: tokens emitted, and what the rounds cost (here:
+    drafting and verifying seconds in units of T(1); the batch gate's: seconds). Running
+    means over the first ``1 / weight`` rounds, then exponential averages as long."""
 
     tokens: float = 0.0
     cost: float = 0.0
@@ -113,7 +114,7 @@ class RoundGate:
 
     def forget(self) -> None:
         """Drop what was measured (the benchmark's warm-up), back to a new gate's state."""
-        self.averages = {AFTER_ACCEPT: _Average(), AFTER_MISS: _Average()}
+        self.averages = {AFTER_ACCEPT: RoundAverages(), AFTER_MISS: RoundAverages()}
         self.drafted = 0  # rounds drafted, over all requests
         self.skipped = 0  # rounds the gate kept plain
         self.begin()
