@@ -43,7 +43,14 @@ drafters".) ``joint_budget=false`` sends every member's draft whole.
 At temperature > 0 the default heads member drafts a sampled tree (its
 ``when_sampling``), which is kept whole; suffix decoding's point masses are cut.
 
-Example: ``proposer=merge "proposer.members=[suffix,{name:copy_heads,tree_width:3}]"``.
+A drafter that costs model calls can be a fallback (``fallback: K``, the last K members): it is
+asked only in rounds where every member before it proposed nothing, and skipped (as a round
+gate skips a proposer) in the others. Prompt lookup and a grammar's forced tokens cost
+nothing and, where they have a guess, are usually right; the heads then draft only where
+they have none (ArcticInference pairs suffix decoding with a model drafter the same way).
+
+Example: ``proposer=merge "proposer.members=[suffix,{name:copy_heads,tree_width:3}]"``, or
+``"proposer.members=[grammar,span,copy_heads]" proposer.fallback=1``.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from typing import Any
 import torch
 
 from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.drafting import DraftSteps, run_alone
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, proposer_registry, register_proposer
 
@@ -75,6 +83,10 @@ class MergeProposer(Proposer):
         # size the joined tree as a whole from the members' estimates (see the module docstring);
         # false: every member's draft is sent whole
         joint_budget: bool = True
+        # the last ``fallback`` members are asked only in rounds where every member before them
+        # proposed nothing (a drafter whose model calls cost drafting time, asked where the free
+        # ones have no guess); in other rounds they are skipped, as a round gate skips a proposer
+        fallback: int = 0
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
@@ -83,6 +95,11 @@ class MergeProposer(Proposer):
         names = [m if isinstance(m, str) else m.get("name") for m in config.members]
         if "merge" in names:
             raise ValueError("proposer.members cannot hold another merge; list its members directly")
+        if not 0 <= config.fallback < len(config.members):
+            raise ValueError(
+                f"proposer.fallback must be between 0 and {len(config.members) - 1} (the members after the "
+                f"first one), got {config.fallback}"
+            )
         self.members: list[Proposer] = [build(proposer_registry, m, context=context) for m in config.members]
         # A member that drafts with the target's own layers (early exit) leaves their KV
         # entries in the target's cache, so it alone may run the verification pass: it
@@ -94,9 +111,16 @@ class MergeProposer(Proposer):
                 f"got {', '.join(m.name for m in reusing)}: keep one of them in proposer.members"
             )
         self._pass_owner: Proposer | None = reusing[0] if reusing else None
+        if self._pass_owner in self.members[len(self.members) - config.fallback :]:
+            raise ValueError(
+                f"proposer {self._pass_owner.name!r} drafts with the target's own layers and runs the pass: "
+                "it cannot be a fallback member; list it before the last proposer.fallback members"
+            )
         self._drafts: list[Draft] = []
         self._joined: list[list[int]] = []  # per member: its nodes' indices in the joined draft
         self._seconds: list[float] = []  # per member: its propose's seconds this round
+        self._asked: list[bool] = []  # per member: whether it proposed this round (not a fallback skipped)
+        self.fallback_rounds = 0  # rounds the fallback members were asked
         # the joined tree's size; it measures the rounds' drafting seconds, every member's
         self.sizer = context.sizing.ranked(MAX_JOINED_NODES)
         self.cut_nodes = 0  # nodes the joint budget cut, over all rounds
@@ -123,12 +147,30 @@ class MergeProposer(Proposer):
         for member in self.members:
             member.begin(state)
 
+    @property
+    def batches_drafting(self) -> bool:
+        return any(member.batches_drafting for member in self.members)
+
     def propose(self, state) -> Draft:
-        self._drafts, self._seconds = [], []
-        for member in self.members:
-            tick = time.perf_counter()
-            self._drafts.append(member.propose(state))
-            self._seconds.append(time.perf_counter() - tick)
+        return run_alone(self.drafting(state))
+
+    def drafting(self, state) -> DraftSteps:
+        """Each member's draft in turn (as steps: a batch shares the members' model calls),
+        then joined."""
+        self._drafts, self._seconds, self._asked = [], [], []
+        clock = getattr(state, "clock", time.perf_counter)  # (a bare state in unit tests has none)
+        primary = len(self.members) - self.config.fallback
+        for m, member in enumerate(self.members):
+            asked = m < primary or not any(len(draft) for draft in self._drafts[:primary])
+            tick = clock()
+            if asked:
+                self._drafts.append((yield from member.drafting(state)))
+            else:
+                member.skip(state)
+                self._drafts.append(Draft.empty())
+            self._seconds.append(clock() - tick)
+            self._asked.append(asked)
+        self.fallback_rounds += self.config.fallback > 0 and self._asked[-1]
         self._joined = [list(range(len(draft))) for draft in self._drafts]
         proposing = [m for m, draft in enumerate(self._drafts) if len(draft)]
         if len(proposing) <= 1:
@@ -206,7 +248,11 @@ class MergeProposer(Proposer):
     def observe(self, state, round: Round) -> None:
         self.sizer.observe(round)
         verified = set(round.verified)
-        for member, draft, joined, seconds in zip(self.members, self._drafts, self._joined, self._seconds):
+        for member, draft, joined, seconds, asked in zip(
+            self.members, self._drafts, self._joined, self._seconds, self._asked
+        ):
+            if not asked:  # a skipped fallback: no observe follows a skip
+                continue
             member_of = {}  # joined node -> the member's node
             for node, joined_node in enumerate(joined):
                 if joined_node is not None:  # None: cut by the joint budget
@@ -239,6 +285,8 @@ class MergeProposer(Proposer):
             "nodes_shared": self.merged_nodes,
             "joint_budget": self.config.joint_budget,
             "nodes_cut_by_joint_budget": self.cut_nodes,
+            "fallback": self.config.fallback,
+            "fallback_rounds": self.fallback_rounds,
         }
 
 

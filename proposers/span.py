@@ -62,6 +62,8 @@ class SpanProposer(Proposer):
         self.closings = [self._encode(text) for text in CLOSINGS]  # each a token or a few
         self.source = ""
         self.policy = context.sizing.chain(config.k) if config.adaptive else None
+        self._endings: list[tuple[int, int]] = []  # this round's ending branches: (first node, boundary rank)
+        self._ended = [[0, 0] for _ in range(config.endings)]  # per boundary rank: [tried, ended there]
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -70,6 +72,7 @@ class SpanProposer(Proposer):
         self.source = self.tokenizer.decode(state.tokens[: state.prompt_len], skip_special_tokens=True)
 
     def propose(self, state) -> Draft:
+        self._endings = []
         generated = state.tokens[state.prompt_len :]
         tail = self.tokenizer.decode(generated[-TAIL_TOKENS:], skip_special_tokens=True)
         match = self._match(tail)
@@ -86,21 +89,44 @@ class SpanProposer(Proposer):
             return Draft.empty()
         tokens, parents = list(span), list(range(-1, len(span) - 1))
         if state.grammar is not None and self.config.endings:
-            for boundary in self._boundaries(span)[: self.config.endings]:
+            for rank, boundary in enumerate(self._boundaries(span)[: self.config.endings]):
                 for closing in self.closings:  # a branch after span[:boundary]
+                    self._endings.append((len(tokens), rank))
                     parent = boundary - 1
                     for token in closing:
                         tokens.append(token)
                         parents.append(parent)
                         parent = len(tokens) - 1
         draft = Draft(tokens, parents)
-        if survival is not None:  # an ending is estimated as the span's node at its depth
-            draft.values = [survival[min(depth, len(survival) - 1)] for depth in draft.depths]
+        if survival is not None:
+            # a span node: the survival measured to its depth; an ending's nodes: the survival
+            # to its boundary times how often a value ended at that boundary (measured)
+            values = list(survival[: len(span)])
+            rates = {first: self._end_rate(rank) for first, rank in self._endings}
+            for node in range(len(span), len(tokens)):
+                parent = parents[node]
+                value = values[parent] if parent >= 0 else 1.0
+                values.append(value * rates[node] if node in rates else value)
+            draft.values = values
         return draft
+
+    def _end_rate(self, rank: int) -> float:
+        """How often a value ended at the ``rank``-th boundary when its span got there (one
+        ending of one in two as a prior)."""
+        tried, ended = self._ended[rank]
+        return (ended + 1.0) / (tried + 2.0)
 
     def observe(self, state, round: Round) -> None:
         if self.policy is not None:
             self.policy.observe(round)  # counted under the match length it chose for
+        if self._endings:  # an ending the target tried, its boundary reached: the value ended there?
+            accepted, verified = set(round.path), set(round.verified)
+            parents = round.draft.parents
+            for first, rank in self._endings:
+                parent = parents[first]
+                if first in verified and (parent < 0 or parent in accepted):
+                    self._ended[rank][0] += 1
+                    self._ended[rank][1] += first in accepted
 
     def describe(self) -> dict:
         return {"draft_length_rates": self.policy.as_dict()} if self.policy is not None else {}

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.decoders.engine.decoding import Decoding, PlannedRound
+from specdec.decoders.engine.drafting import DraftClock, draft_together
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.models.session import ModelSession
 
@@ -103,6 +104,7 @@ def decode_batch(
     order = sorted(range(count), key=lambda i: (arrivals[i], i))
     slots = [_Slot(sessions(), proposer.for_request() if proposer is not None else None) for _ in range(size)]
     target = slots[0].session.target
+    together = proposer is not None and proposer.batches_drafting  # one model call per step for all
     stats = BatchStats(latencies=[0.0] * count)
     begin = time.perf_counter()
     try:
@@ -126,7 +128,7 @@ def decode_batch(
             active = active[rotation:] + active[:rotation]
             round_start = time.perf_counter()
             drafting = gate is None or gate.drafts(len(active))  # type: ignore[attr-defined]
-            planned = _plan(active, target, sizing, drafting)
+            planned = _plan(active, target, sizing, drafting, together)
             tock = time.perf_counter()
             logits = target.packed_forward(
                 [slot.session for slot in active], [p.block for p in planned], [p.parents for p in planned]
@@ -154,23 +156,33 @@ def decode_batch(
     return stats
 
 
-def _plan(active: list[_Slot], target, sizing, drafting: bool = True) -> list[PlannedRound]:
+def _plan(
+    active: list[_Slot], target, sizing, drafting: bool = True, together: bool = False
+) -> list[PlannedRound]:
     """Every active request's round, planned in turn: each told the rest of the pass (the
     rows and expected tokens of those planned, one row and token for each still to plan)
     and, in exact mode, given the rows left within the widest exact pass. Then the drafts
     are weighed together (:meth:`SizingPolicy.joint`): over every request's nodes, ranked
     by their estimated value, the pass keeps those that raise its tokens per second, so a
     request planned early (which knew only the others' pending rows) gives way to a more
-    valuable node of one planned after it."""
+    valuable node of one planned after it.
+
+    ``together``: the proposers draft at once (:func:`draft_together`: their model calls
+    shared), each told the others' pending rows only; the joint choice then weighs them."""
     widest = target.widest_exact_pass if target is not None else None
+    proposals: list = [None] * len(active)
+    if together and drafting:
+        if sizing is not None:
+            sizing.beside(len(active) - 1, len(active) - 1.0, len(active))
+        proposals = _draft_together(active)
     planned: list[PlannedRound] = []
     rows, tokens = 0, 0.0
     for k, slot in enumerate(active):
         later = len(active) - k - 1
-        if sizing is not None:
+        if sizing is not None and not together:
             sizing.beside(rows + later, tokens + later, len(active))
         room = None if widest is None else max(widest - rows - later, 1)
-        plan = slot.decoding.plan(room, drafting)  # type: ignore[union-attr]
+        plan = slot.decoding.plan(room, drafting, proposals[k], alone=False)  # type: ignore[union-attr]
         planned.append(plan)
         rows += len(plan.block)
         values = plan.draft.values
@@ -179,6 +191,20 @@ def _plan(active: list[_Slot], target, sizing, drafting: bool = True) -> list[Pl
         return planned
     kept = sizing.joint([(p.draft.parents, p.draft.values) for p in planned])
     return [plan.keeping(nodes) for plan, nodes in zip(planned, kept)]
+
+
+def _draft_together(active: list[_Slot]) -> list[tuple[bool, object, float]]:
+    """Every request's proposal, drafted at once: (drafted, draft, its drafting seconds)."""
+    decodings = [slot.decoding for slot in active]
+    clocks = [DraftClock() for _ in active]
+    for decoding, clock in zip(decodings, clocks):
+        decoding.state.clock = clock  # type: ignore[union-attr]
+    try:
+        results = draft_together([d.proposal() for d in decodings], clocks)  # type: ignore[union-attr]
+    finally:
+        for decoding in decodings:
+            decoding.state.clock = time.perf_counter  # type: ignore[union-attr]
+    return [(drafted, draft, clock.seconds) for (drafted, draft), clock in zip(results, clocks)]
 
 
 def _record_pass(target, active: list[_Slot], rows: int, seconds: float) -> None:

@@ -32,6 +32,7 @@ from typing import Protocol
 
 from specdec.decoders.engine.constraint import GrammarState
 from specdec.decoders.engine.draft import Acceptance, Draft, Round
+from specdec.decoders.engine.drafting import DraftSteps, run_alone
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, verifier_registry
 from specdec.decoders.engine.request import GenerationStats, StopConditions
@@ -220,31 +221,55 @@ class Decoding:
             target_logits = self.proposer.verify_forward(self.target, planned.block, planned.parents)  # type: ignore[union-attr]
         self.settle(planned, target_logits, time.perf_counter() - tock)
 
-    def plan(self, room: int | None = None, draft: bool = True) -> PlannedRound:
-        """The round's first half: the draft (cut to the grammar, the token budget, exact
-        mode's widest pass and ``room`` tokens in all, pending token included) and the block
-        the target's pass takes. A batch plans every request's round, runs one pass over
-        their blocks, then :meth:`settle` s each. ``draft=False``: a plain round (a batch's
-        gate kept it so), the proposer told as when the round gate keeps one."""
-        if self.done:
-            raise RuntimeError("this request is finished")
-        target, proposer, verifier, state = self.target, self.proposer, self.verifier, self.state
-        tick = time.perf_counter()
+    def proposal(self, draft: bool = True) -> DraftSteps:
+        """The round's proposal as steps (:meth:`Proposer.drafting`), returning (whether the
+        proposer drafted, its draft): a batch drafts its requests' proposals together
+        (:func:`~specdec.decoders.engine.drafting.draft_together`). ``draft=False``: a plain
+        round (a batch's gate kept it so), the proposer told as when the round gate keeps one."""
+        proposer, state = self.proposer, self.state
         timing = self._pass_times()
         if timing is not None:  # the sizing reads T(n) after this many tokens
-            timing.at_context(len(target))
+            timing.at_context(len(self.target))
         drafting = proposer is not None and draft and (self.gate is None or self.gate.drafts())
         if drafting:
-            proposed = proposer.propose(state)  # type: ignore[union-attr]
+            proposed = yield from proposer.drafting(state)  # type: ignore[union-attr]
         else:
             if proposer is not None:  # a round the gate keeps plain
                 proposer.skip(state)
                 self.stats.gated_rounds += 1
             proposed = Draft.empty()
+        return drafting, proposed
+
+    def plan(
+        self,
+        room: int | None = None,
+        draft: bool = True,
+        proposal: tuple[bool, Draft, float] | None = None,
+        alone: bool = True,
+    ) -> PlannedRound:
+        """The round's first half: the draft (cut to the grammar, the token budget, exact
+        mode's widest pass and ``room`` tokens in all, pending token included) and the block
+        the target's pass takes. A batch plans every request's round, runs one pass over
+        their blocks, then :meth:`settle` s each. ``draft``: as for :meth:`proposal`.
+        ``proposal``: (drafted, draft, drafting seconds) of a :meth:`proposal` a batch drafted
+        with its other requests' (None: drafted here). ``alone``: the pass is this request's
+        (False: a batch's, whose nodes the batch weighs together)."""
+        if self.done:
+            raise RuntimeError("this request is finished")
+        target, verifier, state, proposer = self.target, self.verifier, self.state, self.proposer
+        tick = time.perf_counter()
+        if proposal is None:
+            drafting, proposed = run_alone(self.proposal(draft))
+        else:
+            drafting, proposed, seconds = proposal
+            tick -= seconds
+        timing = self._pass_times()
         draft = proposed
         if self.grammar is not None and drafting:  # no node the grammar rejects; its forced tokens added
             draft = self.grammar.prune(draft)
             draft = self.grammar.extend_forced(draft, self.grammar.constraint.forced_per_leaf)
+            if alone:  # the forced tokens were added unsized: the nodes that pay (a batch weighs all)
+                draft = _paying(draft, proposer)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
         budget = self.stop.max_new_tokens - len(self.tokens)
         draft = draft.truncated(budget - 1)
@@ -326,6 +351,17 @@ class Decoding:
             self.stats.grammar_time = self.grammar.mask_seconds
             self.stats.grammar_masks = self.grammar.masks_computed
         return GenerationOutput(self.tokens, self.stats)
+
+
+def _paying(draft: Draft, proposer: Proposer | None) -> Draft:
+    """``draft`` cut to the nodes that pay for their rows in this request's pass, by their
+    values (:meth:`SizingPolicy.joint`); whole where it has none. Deterministic drafts only:
+    the cut then never depends on a sampled token."""
+    sizing = getattr(getattr(proposer, "context", None), "sizing", None)
+    if draft.values is None or draft.draft_probs is not None or not len(draft) or sizing is None:
+        return draft
+    keep = sizing.joint([(draft.parents, draft.values)], requests=0)[0]
+    return draft if len(keep) == len(draft) else draft.select(keep)
 
 
 def _round(

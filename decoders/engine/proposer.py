@@ -6,6 +6,9 @@ config), then serves one request at a time:
 
     begin(state)      a new request starts (prompt known, nothing generated)
     propose(state)    return a Draft: tokens as a tree, optionally with draft_probs
+    drafting(state)   the same as steps (a generator of the model calls it needs,
+                      :mod:`specdec.decoders.engine.drafting`), which a batch runs for all
+                      its requests at once; the default runs ``propose``
     skip(state)       instead of propose, in a round the round gate keeps plain
                       (decoders/sizing/round_gate.py): no draft, not observed
     observe(state, round)
@@ -48,6 +51,7 @@ from specdec.decoders.engine.sampling import processed_probs, sample
 
 if TYPE_CHECKING:
     from specdec.decoders.engine.context import PipelineContext
+    from specdec.decoders.engine.drafting import DraftSteps
     from specdec.decoders.engine.state import DecodeState
     from specdec.decoders.models.session import ModelSession
 
@@ -151,6 +155,22 @@ class Proposer:
 
     def propose(self, state: DecodeState) -> Draft:
         raise NotImplementedError
+
+    def drafting(self, state: DecodeState) -> DraftSteps:
+        """This round's proposal as steps: a generator that yields each model call drafting
+        needs (a :class:`~specdec.decoders.engine.drafting.Work`), is sent its result, and
+        returns the draft. A batch advances its requests' steps together and runs their
+        calls with one key as one call. The default has no call to share: it returns
+        :meth:`propose`'s draft. A proposer that overrides it proposes with
+        ``run_alone(self.drafting(state))``, and reads its drafting time from
+        ``state.clock`` (a batch's share of joint calls, not their whole seconds)."""
+        return self.propose(state)
+        yield  # a generator with no step
+
+    @property
+    def batches_drafting(self) -> bool:
+        """True if :meth:`drafting` has model calls a batch can share (it is overridden)."""
+        return type(self).drafting is not Proposer.drafting
 
     def skip(self, state: DecodeState) -> None:
         """Called instead of :meth:`propose` in a round that will not be drafted (the round

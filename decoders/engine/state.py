@@ -12,6 +12,8 @@ session, because its drafting writes KV entries there that its
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,9 @@ class DecodeState:
     # the request's constraint, where it has one: its state after the output so far
     # (``grammar.forced()`` is what the grammar forces next; the ``grammar`` proposer drafts it)
     grammar: GrammarState | None = None
+    # seconds, read by differences, that drafting measures its own cost with: wall time for a
+    # request alone; in a batch drafting together, its share (decoders/engine/drafting.py)
+    clock: Callable[[], float] = time.perf_counter
 
     @property
     def last_hidden(self) -> torch.Tensor:

@@ -38,22 +38,24 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.drafting import DraftSteps, run_alone
 from specdec.decoders.engine.sampling import check_finite
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.sizing.acceptance import CONFIDENCE_BUCKETS, AcceptanceStats, confidence_bucket
 from specdec.decoders.sizing.search import MIN_GAIN, Beside, PassSeconds, Sizer, best_size, check_budget
 
 # expand(frontier, rows, parents, depth) -> (len(frontier), n) logits of the children of the
-# frontier nodes (all at ``depth``); rows/parents describe every candidate grown so far (rows
+# frontier nodes (all at ``depth``), or a generator of drafting steps returning them (a batch
+# then shares its model calls); rows/parents describe every candidate grown so far (rows
 # index the drafter's output rows).
-Expand = Callable[[list[int], list[int], list[int], int], torch.Tensor]
+Expand = Callable[[list[int], list[int], list[int], int], "torch.Tensor | DraftSteps"]
 # a constraint's rows: path of rows (root first) -> (n,) bool, the rows allowed after it
 Allowed = Callable[[list[int]], torch.Tensor]
 
@@ -81,7 +83,22 @@ def grow(
     prune: Callable[[Candidates, list[int]], list[int]] | None = None,
     allowed: Allowed | None = None,
 ) -> Candidates:
+    """:func:`grow_steps` driven alone (each model call its own)."""
+    return run_alone(grow_steps(root_logits, expand, width, depth, what, prune, allowed))
+
+
+def grow_steps(
+    root_logits: torch.Tensor,
+    expand: Expand,
+    width: int,
+    depth: int,
+    what: str,
+    prune: Callable[[Candidates, list[int]], list[int]] | None = None,
+    allowed: Allowed | None = None,
+) -> DraftSteps:
     """Candidates of a dynamic tree from ``root_logits`` (n,), the pending token's children's logits.
+    As drafting steps (:mod:`specdec.decoders.engine.drafting`): ``expand`` may return its
+    logits or a generator of the model calls that give them.
 
     ``prune(candidates, frontier)``, asked before each ``expand``: the frontier nodes worth
     expanding (an empty list ends the growth there). ``allowed(path)``, under a constraint:
@@ -121,8 +138,15 @@ def grow(
             frontier = prune(Candidates(rows, parents, scores, probs, depths), frontier)
             if not frontier:
                 break
-        logits = expand(frontier, rows, parents, level)
+        logits = yield from _stepped(expand(frontier, rows, parents, level))
     return Candidates(rows, parents, scores, probs, depths)
+
+
+def _stepped(result) -> DraftSteps:
+    """An ``expand``'s result as steps: its generator's, or its logits as they are."""
+    if isinstance(result, Generator):
+        return (yield from result)
+    return result
 
 
 def _path(node: int, rows: list[int], parents: list[int]) -> list[int]:
@@ -180,13 +204,25 @@ class DynamicTree(Sizer):
     def build(
         self, root_logits: torch.Tensor, expand: Expand, what: str, allowed: Allowed | None = None
     ) -> Draft:
+        """:meth:`build_steps` driven alone (each model call its own)."""
+        return run_alone(self.build_steps(root_logits, expand, what, allowed))
+
+    def build_steps(
+        self,
+        root_logits: torch.Tensor,
+        expand: Expand,
+        what: str,
+        allowed: Allowed | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> DraftSteps:
         """This round's tree, with the drafter's rows as tokens (the caller maps them to
         ids); :meth:`Draft.nodes_in` of the candidates' draft gives each node's candidate.
-        ``allowed``: a constraint's rows, as in :func:`grow`."""
+        ``allowed``: a constraint's rows, as in :func:`grow`. As drafting steps; ``clock``
+        times the ``expand`` calls (the request's share of a batch's joint calls)."""
         auto = self.budget == "auto"
-        candidates = grow(
+        candidates = yield from grow_steps(
             root_logits,
-            self._timed(expand),
+            self._timed(expand, clock),
             self.width,
             self.depth,
             what,
@@ -213,11 +249,11 @@ class DynamicTree(Sizer):
         self.sizes[len(draft)] += 1
         return draft
 
-    def _timed(self, expand: Expand) -> Expand:
-        def timed(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
-            tick = time.perf_counter()
-            logits = expand(frontier, rows, parents, depth)
-            self._expand_seconds += time.perf_counter() - tick
+    def _timed(self, expand: Expand, clock: Callable[[], float]) -> Expand:
+        def timed(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> DraftSteps:
+            tick = clock()
+            logits = yield from _stepped(expand(frontier, rows, parents, depth))
+            self._expand_seconds += clock() - tick
             self._expands += 1
             return logits
 

@@ -121,14 +121,17 @@ class SizingPolicy:
     def _packed_curve(self, requests: int) -> CostCurve | None:
         return self.batch_curve(requests) if requests and self.batch_curve is not None else None
 
-    def joint(self, drafts: list[tuple[list[int], list[float] | None]]) -> list[list[int]]:
+    def joint(
+        self, drafts: list[tuple[list[int], list[float] | None]], requests: int | None = None
+    ) -> list[list[int]]:
         """A batch's drafts chosen together for its one pass: ``drafts`` are every request's
         (parents, values), values the estimated chance that each node is accepted (None: a
         draft kept whole). Every valued node of every request is ranked by its value (capped
         by its parent's, so each prefix of the ranking is a set of trees), and the best
         prefix is the one the whole pass yields most tokens per second with: T(n) over every
         request's pending row, the drafts kept whole and the nodes taken. Returns the nodes
-        each draft keeps, in order."""
+        each draft keeps, in order. ``requests``: the pass's requests, whose packed passes'
+        T(n) prices it (default: one per draft; 0: a request's own pass, alone)."""
         rows, tokens = 0, 0.0  # what the pass holds anyway
         keep: list[list[int]] = []
         ranked: list[tuple[float, int, int]] = []  # (-value, request, node)
@@ -146,7 +149,8 @@ class SizingPolicy:
         if not ranked:
             return keep
         ranked.sort()  # best first; a parent before its children (value >= theirs, index lower)
-        seconds = self.pass_curve(len(drafts)).non_decreasing(rows + len(ranked))[rows - 1 :]  # T(rows + m)
+        curve = self.pass_curve(len(drafts) if requests is None else requests)
+        seconds = curve.non_decreasing(rows + len(ranked))[rows - 1 :]  # T(rows + m)
         taken, _ = best_size(
             [-value for value, _, _ in ranked],
             seconds,

@@ -36,11 +36,13 @@ values, extended each round with the positions the target committed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from specdec.decoders.engine.drafting import Work
 from specdec.decoders.models.kernels import PackedProduct
 from specdec.proposers.copy_attention import ContextMemory, CopyAttention, drafting_log_probs
 from specdec.proposers.vocabulary import ReducedVocabulary
@@ -200,15 +202,34 @@ class MedusaHeads(nn.Module):
 
         Copy heads read ``memory`` and give log-probabilities of the mixture with their
         pointer instead, over the memory's rows (:class:`ContextMemory`), (B, rows)."""
-        if self.copy is None:
-            state = self.state(k, previous, tokens)
-            return state, self.projection.head_logits(k, state)  # (B, n)
-        if memory is None:
+        return self.steps([HeadStep(self, k, previous, tokens, memory)])[0]
+
+    def steps(self, calls: Sequence[HeadStep]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`step` for several calls at once (a batch's requests drafting together):
+        each head's state over the rows of every call to it, then the vocabulary product,
+        which dominates, once over every call's rows; the pointer per call (each over its
+        request's memory)."""
+        if self.copy is not None and any(call.memory is None for call in calls):
             raise ValueError("copy heads draft from the request's context: pass its ContextMemory")
-        embedded = self.embed(tokens, previous.dtype)  # (B, hidden)
-        state = self.state(k, previous, tokens, embedded)
-        logits = self.projection.head_logits(k, state)  # (B, n)
-        return state, drafting_log_probs(self.copy, k, previous, embedded, logits, memory)
+        embedded = [self.embed(call.tokens, call.previous.dtype) for call in calls]  # (B_i, hidden)
+        states: list[torch.Tensor] = [None] * len(calls)  # type: ignore[list-item]
+        for k in dict.fromkeys(call.k for call in calls):
+            members = [i for i, call in enumerate(calls) if call.k == k]
+            joined = self.state(
+                k,
+                torch.cat([calls[i].previous for i in members]),
+                None,
+                torch.cat([embedded[i] for i in members]),
+            )  # (sum B_i, hidden)
+            for i, state in zip(members, joined.split([len(calls[i].previous) for i in members])):
+                states[i] = state
+        logits = self.projection.heads_logits([call.k for call in calls], states)  # (B_i, n) each
+        if self.copy is None:
+            return list(zip(states, logits))
+        return [
+            (state, drafting_log_probs(self.copy, call.k, call.previous, embedded[i], logits[i], call.memory))
+            for i, (call, state) in enumerate(zip(calls, states))
+        ]
 
     def context_memory(self) -> ContextMemory:
         """An empty memory of committed positions for one request (copy heads)."""
@@ -289,6 +310,14 @@ class DraftProjection:
         """residual (B, hidden), all rows for head k -> (B, n) over the draft vocabulary."""
         return self._base(residual) + (residual @ self.lora_a[k].T) @ self.lora_b_t[k]
 
+    def heads_logits(self, heads: Sequence[int], residuals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`head_logits` of several (head, residuals (B_i, hidden)) pairs, the base
+        product once over all their rows -> (B_i, n) each."""
+        if len(residuals) == 1:
+            return [self.head_logits(heads[0], residuals[0])]
+        base = self._base(torch.cat(list(residuals))).split([len(r) for r in residuals])
+        return [b + (r @ self.lora_a[k].T) @ self.lora_b_t[k] for b, k, r in zip(base, heads, residuals)]
+
     def _base(self, residual: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             logits = self.packed(residual)  # (B, n)
@@ -305,6 +334,31 @@ class DraftProjection:
         full = logits.new_full((len(logits), self.vocab_size), torch.finfo(logits.dtype).min)  # (B, vocab)
         full[:, self.draft_vocab] = logits
         return full
+
+
+@dataclass(eq=False)
+class HeadStep(Work):
+    """Head k's step over some rows of one request's draft (:meth:`MedusaHeads.step`):
+    a model call of drafting. A batch runs the steps of its requests over the same heads
+    as one call (:meth:`MedusaHeads.steps`)."""
+
+    heads: MedusaHeads
+    k: int
+    previous: torch.Tensor  # (B, hidden) the states the step continues from
+    tokens: torch.Tensor  # (B,) the tokens it reads
+    memory: ContextMemory | None = None  # copy heads: the request's context
+
+    @property
+    def rows(self) -> int:  # type: ignore[override]
+        return len(self.previous)
+
+    def key(self) -> int:
+        return id(self.heads)
+
+    @classmethod
+    def run_together(cls, works: Sequence[HeadStep]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        with torch.inference_mode():
+            return works[0].heads.steps(works)
 
 
 def _shared(base: nn.Linear) -> nn.Linear:

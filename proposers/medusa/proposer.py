@@ -46,6 +46,7 @@ import torch
 
 from specdec.decoders.engine.context import artifact_source
 from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.drafting import DraftSteps, run_alone
 from specdec.decoders.engine.files import readable_artifact
 from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows
 from specdec.decoders.engine.registry import register_proposer
@@ -53,7 +54,7 @@ from specdec.decoders.engine.sampling import check_finite, processed_probs
 from specdec.decoders.sizing.policy import SizingPolicy
 from specdec.proposers.copy_attention import ContextMemory
 from specdec.proposers.medusa.artifact import CONFIG_FILE, load_artifact
-from specdec.proposers.medusa.heads import MedusaHeads
+from specdec.proposers.medusa.heads import HeadStep, MedusaHeads
 from specdec.proposers.medusa.trees import build_tree, draw_siblings
 from specdec.proposers.vocabulary import on_vocabulary
 
@@ -82,10 +83,11 @@ class _HeadOutputs:
         self.states: dict[int, torch.Tensor] = {}  # node -> head state its children's head reads
         self.logits: dict[int, torch.Tensor] = {}  # node -> (n,) its children's logits
 
-    def root(self) -> torch.Tensor:
+    def root(self) -> DraftSteps:
+        """Head 0's logits (n,), as a drafting step for sequential heads."""
         if self.heads.sequential:
             token = torch.tensor([self.pending], device=self.hidden.device)
-            states, logits = self.heads.step(0, self.hidden[None], token, self.memory)
+            states, logits = yield HeadStep(self.heads, 0, self.hidden[None], token, self.memory)
             self.states[-1], self.logits[-1] = states[0], logits[0]
         else:
             self.fused = self.heads.fused_logits(self.hidden, full=False)[: self.num_heads]  # (K, n)
@@ -109,8 +111,9 @@ class _HeadOutputs:
             return self.memory.full_rows(probs)
         return on_vocabulary(probs, self.heads.draft_vocab, self.heads.vocab_size)
 
-    def expand(self, nodes: list[int], tokens: list[int], parents: list[int], depth: int) -> None:
-        """Compute the children's distributions of ``nodes`` (all at ``depth``)."""
+    def expand(self, nodes: list[int], tokens: list[int], parents: list[int], depth: int) -> DraftSteps:
+        """Compute the children's distributions of ``nodes`` (all at ``depth``): a drafting
+        step for sequential heads."""
         if not nodes:
             return
         if not self.heads.sequential:
@@ -120,7 +123,7 @@ class _HeadOutputs:
         previous = torch.stack([self.states[parents[node]] for node in nodes])  # (B, hidden)
         rows = torch.tensor([tokens[node] for node in nodes], device=previous.device)  # (B,) draft-vocab rows
         node_tokens = self.ids(rows)  # (B,) token ids, what the heads embed
-        states, logits = self.heads.step(depth + 1, previous, node_tokens, self.memory)
+        states, logits = yield HeadStep(self.heads, depth + 1, previous, node_tokens, self.memory)
         check_finite(logits, "Medusa heads")
         for i, node in enumerate(nodes):
             self.states[node], self.logits[node] = states[i], logits[i]
@@ -265,17 +268,22 @@ class MedusaProposer(Proposer):
     def skip(self, state) -> None:
         self._take_in(state)
 
-    @torch.inference_mode()
     def propose(self, state) -> Draft:
+        return run_alone(self.drafting(state))
+
+    @torch.inference_mode()
+    def drafting(self, state) -> DraftSteps:
+        """The draft, as drafting steps: every head step (:class:`HeadStep`) a batch's
+        requests share."""
         sampling = state.sampling
         self._take_in(state)
         outputs = _HeadOutputs(self.heads, state, self.num_heads, self.memory)
-        root = outputs.root()  # (n,) head 0's logits over the draft vocabulary
+        root = yield from outputs.root()  # (n,) head 0's logits over the draft vocabulary
         if self.dynamic is not None and not (self.tree is not None and not sampling.greedy):
             self.sizer = self.dynamic
 
-            def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
-                outputs.expand(frontier, rows, parents, depth)
+            def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> DraftSteps:
+                yield from outputs.expand(frontier, rows, parents, depth)
                 return torch.stack([outputs.logits[node] for node in frontier])  # (f, n)
 
             allowed = None
@@ -285,11 +293,11 @@ class MedusaProposer(Proposer):
                 def allowed(path: list[int]) -> torch.Tensor:
                     return constrained_rows(state, outputs.token_ids(path) if path else [], row_ids)
 
-            draft = self.dynamic.build(root, expand, "Medusa heads", allowed)
+            draft = yield from self.dynamic.build_steps(root, expand, "Medusa heads", allowed, state.clock)
             return Draft(outputs.token_ids(draft.tokens), draft.parents, values=draft.values)
         if self.tree is not None:
             self.sizer = self.tuner
-            return self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator)
+            return (yield from self._draft_tree(outputs, *self._budget_tree(), sampling, state.generator))
         length = self.num_heads
         if self.policy is not None:  # the cut depends on q only: sampling stays lossless
             first = torch.softmax(root.float(), -1) if sampling.greedy else processed_probs(root, sampling)
@@ -298,11 +306,13 @@ class MedusaProposer(Proposer):
             if length == 0:
                 return Draft.empty()
         chain = list(range(length))
-        return self._draft_tree(
-            outputs, chain, [0] * length, [d - 1 for d in chain], sampling, state.generator
+        return (
+            yield from self._draft_tree(
+                outputs, chain, [0] * length, [d - 1 for d in chain], sampling, state.generator
+            )
         )
 
-    def _draft_tree(self, outputs, depths, ranks, parents, sampling, generator) -> Draft:
+    def _draft_tree(self, outputs, depths, ranks, parents, sampling, generator) -> DraftSteps:
         """Fill the tree shape (nodes ordered by depth) level by level: a node's token
         is its rank among, or (sampling) a draw from, the distribution its parent's
         path gives the node's head (siblings drawn without replacement unless
@@ -325,7 +335,7 @@ class MedusaProposer(Proposer):
                     level, draw_siblings(processed_probs(logits, sampling), row, iid, generator)
                 ):
                     tokens[i], probs[i] = token, p
-            outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
+            yield from outputs.expand([i for i in level if i in has_children], tokens, parents, depth)
         draft_probs = None if sampling.greedy else outputs.full_rows(torch.stack(probs))  # (nodes, vocab)
         return Draft(outputs.token_ids(tokens), parents, draft_probs)
 

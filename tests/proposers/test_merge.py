@@ -30,21 +30,30 @@ class FixedProposer(Proposer):
         super().__init__(self.Config(), None)
         self.draft = draft
         self.observed: list[Round] = []
+        self.skipped = 0
 
     def propose(self, state) -> Draft:
         return self.draft
+
+    def skip(self, state) -> None:
+        self.skipped += 1
 
     def observe(self, state, round) -> None:
         self.observed.append(round)
 
 
-def merged(*drafts: Draft, joint_curve: CostCurve | None = None) -> tuple[MergeProposer, list[FixedProposer]]:
+def merged(
+    *drafts: Draft, joint_curve: CostCurve | None = None, fallback: int = 0
+) -> tuple[MergeProposer, list[FixedProposer]]:
     """A merge of fixed members; with ``joint_curve``, sizing the joined tree under that T(n)."""
     proposer = MergeProposer.__new__(MergeProposer)
     members = [FixedProposer(d) for d in drafts]
-    proposer.config = MergeProposer.Config(members=[], joint_budget=joint_curve is not None)
+    proposer.config = MergeProposer.Config(
+        members=[], joint_budget=joint_curve is not None, fallback=fallback
+    )
     proposer.members, proposer._drafts, proposer._joined, proposer._seconds = members, [], [], []
     proposer.merged_nodes, proposer.own_nodes, proposer.cut_nodes = 0, [0] * len(members), 0
+    proposer.fallback_rounds = 0
     proposer.sizer = SizingPolicy(lambda: joint_curve).ranked(MAX_JOINED_NODES)
     return proposer, members
 
@@ -112,6 +121,32 @@ def test_members_see_only_the_nodes_the_target_saw():
     proposer.observe(None, Round(joined, principal[:1], principal, [1, 5]))
     assert first.observed[-1].path == [0] and first.observed[-1].verified == [0, 1, 2]
     assert second.observed[-1].path == [0] and second.observed[-1].verified == [0]
+
+
+def test_a_fallback_member_drafts_only_where_the_others_have_nothing():
+    """``fallback: 1``: the last member is asked only in rounds where the members before it
+    proposed nothing; in the others it is skipped (and not told of the round)."""
+    proposer, (first, second, heads) = merged(
+        Draft.chain([1, 2]), Draft.empty(), Draft.chain([7]), fallback=1
+    )
+    draft = proposer.propose(None)
+    assert draft is first.draft and heads.skipped == 1
+    proposer.observe(None, Round.of(draft, [0], [1, 2]))
+    assert len(first.observed) == 1 and len(second.observed) == 1 and heads.observed == []
+    first.draft = Draft.empty()  # nothing from the others: the fallback drafts
+    draft = proposer.propose(None)
+    assert draft is heads.draft and heads.skipped == 1 and proposer.fallback_rounds == 1
+    proposer.observe(None, Round.of(draft, [0], [7, 3]))
+    assert heads.observed[-1].path == [0]
+
+
+@pytest.mark.parametrize("verifier", ["tree", "greedy"])
+def test_a_merge_with_a_fallback_stays_lossless(tiny_pipeline, verifier):
+    members = [{"name": "ngram", "k": 3}, {"name": "draft_model", "tree": True, "k": 3, "tree_width": 2}]
+    pipeline = tiny_pipeline.with_components({"name": "merge", "members": members, "fallback": 1}, verifier)
+    for prompt in random_prompts(4, seed=5):
+        assert pipeline.generate(prompt, 20).tokens == tiny_pipeline.generate(prompt, 20).tokens
+    assert 0 < pipeline.proposer.describe()["fallback_rounds"]
 
 
 def test_a_joint_budget_keeps_no_more_of_the_joined_tree_than_pays():
@@ -221,5 +256,17 @@ def test_bad_members_are_refused(tiny_pipeline):
         build(proposer_registry, {"name": "merge", "members": ["ngram", {"name": "merge"}]}, context=context)
     with pytest.raises(ValueError, match="at most one member that drafts with the target's own layers"):
         build(proposer_registry, {"name": "merge", "members": ["early_exit", "early_exit"]}, context=context)
+    with pytest.raises(ValueError, match="proposer.fallback must be between 0 and 1"):
+        build(
+            proposer_registry,
+            {"name": "merge", "members": ["ngram", "suffix"], "fallback": 2},
+            context=context,
+        )
+    with pytest.raises(ValueError, match="cannot be a fallback member"):
+        build(
+            proposer_registry,
+            {"name": "merge", "members": ["ngram", "early_exit"], "fallback": 1},
+            context=context,
+        )
     with pytest.raises(RegistryError, match="unknown proposer 'nope'"):
         build(proposer_registry, {"name": "merge", "members": ["nope"]}, context=context)

@@ -64,6 +64,39 @@ def test_under_a_constraint_the_span_branches_into_the_string_s_end_and_the_next
     assert not any('"}' in path or '"]' in path for path in paths)  # closings the schema forbids: cut
 
 
+def test_an_ending_is_valued_by_how_often_values_ended_at_its_boundary(tiny_pipeline):
+    """An ending branch's value is its boundary's survival times the measured share of
+    rounds in which the value ended there; a span node's is its survival alone. Rounds
+    whose ending the target rejected lower the endings' values, not the span's."""
+    from specdec.decoders.engine.draft import Round
+
+    grammar = tiny_pipeline.constraint({"json_schema": SCHEMA}).start()
+    generated = '{"city": "Tar'
+    grammar.advance(tiny_pipeline.tokenizer.encode(generated, add_special_tokens=False))
+    proposer = span_proposer(tiny_pipeline, k=6, endings=1)
+    state = state_after(tiny_pipeline, generated, grammar)
+    proposer.begin(state)
+
+    def ending(draft) -> int:  # the first ending's first node: the first off the span's chain
+        return next(i for i in range(1, len(draft)) if draft.parents[i] != i - 1)
+
+    def ending_value(draft) -> tuple[float, float]:
+        first = ending(draft)
+        parent = draft.parents[first]
+        return draft.values[first], (draft.values[parent] if parent >= 0 else 1.0)
+
+    draft = proposer.propose(state)
+    value, boundary = ending_value(draft)
+    assert value == pytest.approx(boundary * 0.5)  # the prior: one in two
+    for _ in range(6):  # the span goes on past its boundary; the ending was tried and rejected
+        draft = proposer.propose(state)
+        span = list(range(ending(draft)))
+        tried = span + [ending(draft)]  # (the grammar keeps one closing: the others are not tried)
+        proposer.observe(state, Round(draft, span, tried, [0] * 7))
+    value, boundary = ending_value(proposer.propose(state))
+    assert value == pytest.approx(boundary * 1 / 8)
+
+
 def leaf_paths(draft) -> list[list[int]]:
     paths = []
     for node in range(len(draft)):

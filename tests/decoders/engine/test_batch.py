@@ -26,6 +26,7 @@ BATCHABLE = [
     "copy_heads",
     {"name": "medusa", "tree": None, "tree_budget": None},
     {"name": "merge", "members": ["suffix", "ngram"]},
+    {"name": "merge", "members": ["suffix", "copy_heads"], "fallback": 1},
 ]
 
 
@@ -54,6 +55,29 @@ def test_each_request_decodes_as_it_would_alone(base, proposer, verifier, drafti
         assert max(batch.stats.active) == size
         if proposer is not None:
             assert sum(r.stats.accepted for r in batch.results) > 0
+
+
+def test_the_heads_draft_for_every_request_in_one_call_per_step(base, monkeypatch):
+    """Copy heads in a batch draft together: a step of the heads runs once over the rows of
+    every request that asks it (its vocabulary product read once), not once per request;
+    alone, each step is a call of its own. Outputs are as alone (the test above)."""
+    from specdec.proposers.medusa.heads import MedusaHeads
+
+    calls: list[int] = []
+    original = MedusaHeads.steps
+
+    def steps(self, works):
+        calls.append(len(works))
+        return original(self, works)
+
+    monkeypatch.setattr(MedusaHeads, "steps", steps)
+    pipeline = pipeline_or_skip(base, "copy_heads", None)
+    prompts = prompts_of_many_lengths()
+    pipeline.generate(prompts[0], 8)
+    assert set(calls) == {1}
+    calls.clear()
+    pipeline.generate_batch(prompts, 16, batch_size=5)
+    assert max(calls) == 5 and sum(calls) > len(calls)
 
 
 def test_requests_join_as_others_finish(base):

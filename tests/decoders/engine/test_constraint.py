@@ -151,6 +151,34 @@ def test_forced_tokens_extend_every_leaf_and_prune_cuts_rejected_nodes(tiny_pipe
     assert extended.nodes_in(draft) == [0, 2, 3, 4, None, None, None, None]
 
 
+def test_forced_tokens_are_kept_where_their_leaf_is_likely_enough_to_pay():
+    """The forced continuation is added to every leaf unsized; a request decoded alone then
+    keeps the nodes that pay for their rows by their values (a forced node's is its leaf's):
+    under a steep T(n) the likely branch with its forced tokens, not the unlikely one; under a
+    flat T(n) all; a draft without values, or a sampled one, whole."""
+    from types import SimpleNamespace
+
+    from specdec.decoders.engine.decoding import _paying
+    from specdec.decoders.models.cost import CostCurve
+    from specdec.decoders.sizing.policy import SizingPolicy
+
+    # a: likely, b: unlikely, each with three forced tokens after it
+    draft = Draft(
+        [1, 2, 3, 4, 5, 6, 7, 8], [-1, -1, 0, 2, 3, 1, 5, 6], values=[0.9] * 1 + [0.1] + [0.9] * 3 + [0.1] * 3
+    )
+    proposer = SimpleNamespace(context=SimpleNamespace(sizing=None))
+    for curve, kept in (
+        (CostCurve({1: 1.0, 64: 4.0}), [0, 2, 3, 4]),
+        (CostCurve({1: 1.0, 64: 1.0}), list(range(8))),
+    ):
+        proposer.context.sizing = SizingPolicy(lambda curve=curve: curve)
+        assert _paying(draft, proposer).nodes_in(draft) == kept
+    whole = Draft(draft.tokens, draft.parents)
+    assert _paying(whole, proposer) is whole
+    sampled = Draft(draft.tokens, draft.parents, torch.full((8, 10), 0.1), values=draft.values)
+    assert _paying(sampled, proposer) is sampled
+
+
 def test_a_cut_sampled_draft_keeps_the_constrained_distribution_exactly(tiny_pipeline):
     """One position, every draw enumerated: x ~ q (unconstrained), the engine cuts x where
     the grammar forbids it and renormalises q over the allowed tokens; speculative sampling

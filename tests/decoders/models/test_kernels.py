@@ -78,11 +78,28 @@ def test_bfloat16_narrow_route_is_the_packed_linear_at_every_width():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+@requires_cpu("onednn_f32_linear")
+def test_wide_float32_passes_take_the_packed_linear():
+    """A pass wider than the narrow route's rows (a prefill) takes oneDNN's packed linear
+    too where the route uses it, and F.linear where it does not (exact mode, left off)."""
+    torch.manual_seed(0)
+    wide = torch.randn(60, 24)
+    for packed_from, packs in ((PACKED_FROM, True), (None, False)):
+        layer = torch.nn.Linear(24, 40)
+        route_narrow_linears(layer, max_rows=16, packed_from=packed_from)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias)
+            )
+        assert (layer in linear_route(layer).packed) is packs
+
+
 def test_packed_route_can_be_left_off():
     layer = torch.nn.Linear(24, 40)
     route_narrow_linears(layer, packed_from=None)
     with torch.no_grad():
         layer(torch.randn(PACKED_FROM + 3, 24))
+        layer(torch.randn(80, 24))  # wide passes too
     assert layer not in linear_route(layer).packed
 
 
