@@ -9,12 +9,15 @@ nodes pay, and that drafting cost alone can make the batch slower than batched s
 decoding (measured: copy heads at batch 16 in float32, 0.94x with 0.54 draft tokens per
 request per pass).
 
-The gate compares, for each number of requests in the pass, the throughput of whole rounds
+The gate compares, for each size class of the pass (its number of requests rounded down to a
+power of two: 1, 2-3, 4-7, 8-15, 16-31 ...), the throughput of whole rounds
 (drafting, the pass, verifying: new tokens over all requests per second) of the rounds that
 drafted and of the rounds that did not. A round drafts while the drafted rounds' rate is at
 least the plain rounds' within ``margin``; each side is measured first (``min_rounds``
-drafted, then as many plain), and the losing side keeps being measured, one round in
-``explore_every``. Rates are running means over the first ``1 / weight`` rounds, then
+drafted, then as many plain; plain first where a smaller class found plain rounds faster,
+as a larger batch's pass is dearer), and the losing side keeps being measured, one round in
+``explore_every``. Classes, not every size: a batch whose requests end one by one passes
+through every size below its own, each for a few rounds, and would spend them all measuring. Rates are running means over the first ``1 / weight`` rounds, then
 exponential averages as long (of tokens and of seconds apart, so a round's rate weighs by
 its length).
 
@@ -70,9 +73,14 @@ class BatchGate:
         self.drafted = 0  # rounds drafted
         self.skipped = 0  # rounds kept plain
 
+    @staticmethod
+    def size_class(requests: int) -> int:
+        """The class of a pass over ``requests`` requests: the power of two at or below it."""
+        return 1 << (max(requests, 1).bit_length() - 1)
+
     def winner(self, requests: int) -> str | None:
         """Which kind of round has paid at this many requests (None: not measured yet)."""
-        size = self.sizes.get(requests)
+        size = self.sizes.get(self.size_class(requests))
         if size is None:
             return None
         drafted, plain = size.rates[DRAFTED], size.rates[PLAIN]
@@ -82,12 +90,14 @@ class BatchGate:
 
     def drafts(self, requests: int) -> bool:
         """Whether this round of a pass over ``requests`` requests drafts."""
-        size = self.sizes.setdefault(requests, _Size())
+        size = self.sizes.setdefault(self.size_class(requests), _Size())
         drafted, plain = size.rates[DRAFTED], size.rates[PLAIN]
-        if drafted.rounds < self.min_rounds:  # measure drafting first, then plain rounds
-            drafting = True
-        elif plain.rounds < self.min_rounds:
-            drafting = False
+        if drafted.rounds < self.min_rounds or plain.rounds < self.min_rounds:
+            # measure both: drafting first, unless a smaller class found plain rounds faster
+            smaller = [n for n in self.sizes if n < self.size_class(requests)]
+            plain_first = any(self.winner(n) == PLAIN for n in smaller)
+            first = plain if plain_first else drafted
+            drafting = (first is drafted) == (first.rounds < self.min_rounds)
         else:
             drafting = self.winner(requests) == DRAFTED
             size.since_probe += 1
@@ -103,7 +113,7 @@ class BatchGate:
     def record(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A round over ``requests`` requests: whether it drafted, the new tokens it gave
         over all of them and its seconds (drafting, pass and verifying)."""
-        size = self.sizes.setdefault(requests, _Size())
+        size = self.sizes.setdefault(self.size_class(requests), _Size())
         size.rates[DRAFTED if drafted else PLAIN].add(tokens, seconds, self.weight)
 
     def describe(self) -> dict:

@@ -41,6 +41,17 @@ def test_where_drafting_pays_it_keeps_drafting_and_each_batch_size_learns_apart(
     assert described[2]["drafts"] == DRAFTED and described[16]["plain"]["tokens_per_s"] == 70.0
 
 
+def test_sizes_of_one_class_learn_together_and_a_larger_class_measures_plain_first():
+    """Requests 8 to 15 are one class: what rounds over 9 measured decides at 13. Once plain
+    rounds won at 8, the 16 class starts with plain rounds (a larger batch's pass is dearer)."""
+    gate = BatchGate(explore_every=50, min_rounds=3)
+    run_rounds(gate, 9, 10, {True: 30.0, False: 50.0})
+    assert gate.winner(13) == PLAIN and gate.winner(15) == PLAIN and gate.winner(16) is None
+    assert not gate.drafts(12)
+    assert run_rounds(gate, 16, 6, {True: 30.0, False: 50.0}) == [False] * 3 + [True] * 3
+    assert BatchGate.size_class(1) == 1 and BatchGate.size_class(7) == 4 and BatchGate.size_class(31) == 16
+
+
 def test_a_pipeline_gates_its_batches_where_it_follows_its_passes(tiny_model, tiny_config, monkeypatch):
     """The gate times rounds: a pipeline has one where its T(n) is followed live, none where
     the T(n) is fixed (given, or ``SPECDEC_COST_CURVE``: the tests' own), nor without drafts."""
