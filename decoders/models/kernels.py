@@ -11,20 +11,16 @@ in docs/performance.md, "Why a verification pass is cheap here").
 :func:`route_narrow_linears` switches every ``nn.Linear`` of a model to that
 form for passes of 1 to ``max_rows`` rows. Wider passes (prefills) take oneDNN's packed
 linear where the route uses it below them (float32 outside exact mode, bfloat16), else
-``F.linear``: on the AVX-512 BF16 EPYC, a SmolLM2-135M prefill of 179 tokens took 265 ms
-on it against 309 ms on ``F.linear`` in float32, 180 against 192 ms in bfloat16 (with
-the same logits there). Single rows (standard decoding's step) are computed over two
-columns, the second zero: on the CPU measured, MKL's one-row route made a
-whole SmolLM2-135M float32 pass cost 76 ms (median) where the two-column
-product costs 52 ms, so leaving them would have slowed the baseline, not only
-the drafts. From ``PACKED_FROM`` (5) rows on, float32 products take oneDNN's
-packed linear instead (``torch.ops.mkldnn._linear_pointwise`` over a copy of the
-weight reordered once for it): MKL's transposed product has steps between the
-widths it vectorises whole (on the AVX2 EPYC measured, a SmolLM2-135M pass over
-6 tokens cost 72 ms against 48 over 4), oneDNN's cost rises evenly (57 ms over
-6, 61 over 8 against 70, 69 over 12 against 89), while over 1-4 rows the
-transposed product stays the faster. The packed copy costs a second copy of the
-float32 weights in memory.
+``F.linear``: a SmolLM2-135M prefill of 179 tokens took 265 against 309 ms in float32, 180
+against 192 ms in bfloat16 (same logits), on the AVX-512 BF16 EPYC. Single rows (standard decoding's step) are computed over two
+columns, the second zero: on the CPU measured, MKL's one-row route made a whole
+SmolLM2-135M float32 pass cost 76 ms (median) where the two-column product costs 52 ms.
+From ``PACKED_FROM`` (5) rows on, float32 products take oneDNN's packed linear instead
+(``torch.ops.mkldnn._linear_pointwise`` over a copy of the weight reordered once for it):
+MKL's transposed product has steps between the widths it vectorises whole (on the AVX2 EPYC
+measured, a SmolLM2-135M pass over 6 tokens cost 72 ms against 48 over 4), oneDNN's cost
+rises evenly (57 ms over 6, 61 over 8 against 70, 69 over 12 against 89), while over 1-4
+rows the transposed product stays the faster (at the cost of a second copy of the weights).
 
 In bfloat16 the narrow route is oneDNN's packed linear at every width, exact mode
 included (padded to a multiple of 4 rows, as on the default route; its rows are

@@ -306,11 +306,8 @@ class MedusaProposer(Proposer):
             if length == 0:
                 return Draft.empty()
         chain = list(range(length))
-        return (
-            yield from self._draft_tree(
-                outputs, chain, [0] * length, [d - 1 for d in chain], sampling, state.generator
-            )
-        )
+        shape = (chain, [0] * length, [d - 1 for d in chain])
+        return (yield from self._draft_tree(outputs, *shape, sampling, state.generator))
 
     def _draft_tree(self, outputs, depths, ranks, parents, sampling, generator) -> DraftSteps:
         """Fill the tree shape (nodes ordered by depth) level by level: a node's token
