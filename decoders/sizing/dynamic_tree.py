@@ -74,17 +74,9 @@ class Candidates:
         return len(self.rows)
 
 
-def grow(
-    root_logits: torch.Tensor,
-    expand: Expand,
-    width: int,
-    depth: int,
-    what: str,
-    prune: Callable[[Candidates, list[int]], list[int]] | None = None,
-    allowed: Allowed | None = None,
-) -> Candidates:
-    """:func:`grow_steps` driven alone (each model call its own)."""
-    return run_alone(grow_steps(root_logits, expand, width, depth, what, prune, allowed))
+def grow(*args, **kwargs) -> Candidates:
+    """:func:`grow_steps` (same arguments) driven alone: each model call its own."""
+    return run_alone(grow_steps(*args, **kwargs))
 
 
 def grow_steps(
