@@ -48,6 +48,8 @@ asked only in rounds where every member before it proposed nothing, and skipped 
 gate skips a proposer) in the others. Prompt lookup and a grammar's forced tokens cost
 nothing and, where they have a guess, are usually right; the heads then draft only where
 they have none (ArcticInference pairs suffix decoding with a model drafter the same way).
+On the structured workload in float32 it measured worse than leaving the heads out
+(docs/structured.md), so no default uses it.
 
 Example: ``proposer=merge "proposer.members=[suffix,{name:copy_heads,tree_width:3}]"``, or
 ``"proposer.members=[grammar,span,copy_heads]" proposer.fallback=1``.
