@@ -7,6 +7,11 @@ of its canonical tokens. It costs a grammar lookup (microseconds) and no model p
 target verifies it with the rest of the pass, and accepts it wherever the constrained
 target's choice is the canonical spelling (almost always).
 
+Where forced bytes are left that no forced token covers (the `` "`` before a string
+value), it drafts the token the target wrote for them before, valued at how often it did
+(:class:`specdec.decoders.engine.constraint.LayoutHabits`), and goes on with what the
+grammar forces after it.
+
 Where the grammar forces nothing, or the request has no constraint, the draft is empty
 and the round is a standard decoding step. ``merge`` joins it with any other proposer:
 ``proposer=merge "proposer.members=[{name:grammar},{name:medusa,tree:dynamic,tree_budget:auto}]"``.
@@ -37,5 +42,5 @@ class GrammarProposer(Proposer):
     def propose(self, state) -> Draft:
         if state.grammar is None:
             return Draft.empty()
-        forced = state.grammar.forced(self.config.k)
-        return Draft.chain(forced, values=[1.0] * len(forced))  # point masses, accepted as a rule
+        tokens, values = state.grammar.continuation(self.config.k)  # forced: 1; layout tokens: their share
+        return Draft.chain(tokens, values=values)  # point masses

@@ -27,6 +27,14 @@ the grammar, and applies it at every row of every pass:
   ``grammar`` proposer drafts it from the pending token. These nodes are deterministic
   (q a point mass) and hang on their own path only, so trees stay lossless; the target
   still verifies them.
+* **layout tokens**: a forced token must be the canonical spelling whatever follows, so
+  forced *bytes* a longer token could still cover stay unforced (the ``": "`` between a
+  key and a string value: ``":`` is forced, the `` "`` after it is not, since `` "T``
+  is a token too). After the forced tokens the continuation adds the token the target
+  wrote for those same left-over bytes before (:class:`LayoutHabits`, per vocabulary),
+  valued at its measured share, and then what the grammar forces after it. A value's
+  first token then comes as the bonus of the round that wrote its key, not in a round
+  of its own.
 
 The grammar engine is llguidance (the one vLLM, SGLang, llama.cpp and guidance use):
 it computes a token mask in microseconds, rolls back, and knows forced tokens.
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,6 +149,28 @@ def _first_line(error: object) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+class LayoutHabits:
+    """Which token the target writes for forced bytes that no forced token covers, learnt
+    per byte string (`` "``, `` ``, `` [``) from what the target wrote after them. Before
+    any is seen, the one token spelling the bytes exactly, valued at one in two."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer  # llguidance's
+        self.seen: dict[bytes, Counter] = {}
+
+    def candidates(self, left: bytes) -> list[tuple[int, float]]:
+        """(token, estimated chance the target writes it next), likeliest first."""
+        seen = self.seen.get(left)
+        if seen:
+            total = sum(seen.values())
+            return [(token, (count + 1.0) / (total + 2.0)) for token, count in seen.most_common()]
+        exact = self.tokenizer.tokenize_bytes(left)
+        return [(exact[0], 0.5)] if len(exact) == 1 else []
+
+    def record(self, left: bytes, token: int) -> None:
+        self.seen.setdefault(left, Counter())[token] += 1
+
+
 class GrammarVocabulary:
     """llguidance's view of a tokenizer (every token's bytes), built once per pipeline
     (about 0.3 s for a 49k vocabulary) and shared by all its constraints."""
@@ -158,6 +189,7 @@ class GrammarVocabulary:
                 f"constraint: this tokenizer cannot be used ({_first_line(error)})"
             ) from None
         self.vocab_size = vocab_size
+        self.habits = LayoutHabits(self.tokenizer)
 
     def compile(self, config: ConstraintConfig | dict | Constraint) -> Constraint:
         if isinstance(config, Constraint):
@@ -221,12 +253,20 @@ class GrammarState:
         self.end_tokens = frozenset(constraint.vocabulary.tokenizer.eos_tokens)
         self.mask_seconds = 0.0  # llguidance's time, for the bench's cost per node
         self.masks_computed = 0
+        # this round's layout tokens: (path from the output before it, its left-over bytes)
+        self.layouts: set[tuple[tuple[int, ...], bytes]] = set()
 
     # ---------------------------------------------------------------- the committed output
 
     def advance(self, tokens: list[int]) -> None:
-        """The output grew by ``tokens`` (all allowed: they came from constrained rows)."""
+        """The output grew by ``tokens`` (all allowed: they came from constrained rows).
+        What the target wrote after each of the round's layout tokens' paths teaches the
+        habits."""
         self.masks.clear()
+        for path, left in self.layouts:
+            if len(tokens) > len(path) and tuple(tokens[: len(path)]) == path:
+                self.vocabulary.habits.record(left, tokens[len(path)])
+        self.layouts.clear()
         body = self.before_end(tokens)
         if body and not self.matcher.consume_tokens(body):
             raise RuntimeError(f"the grammar rejected emitted tokens {tokens}: {self.matcher.get_error()}")
@@ -243,6 +283,7 @@ class GrammarState:
     def rollback(self, count: int) -> None:
         """The output lost its last ``count`` tokens."""
         self.masks.clear()
+        self.layouts.clear()
         if count and not self.matcher.rollback(count):
             raise RuntimeError(f"the grammar cannot roll back {count} tokens: {self.matcher.get_error()}")
 
@@ -255,6 +296,38 @@ class GrammarState:
         """The tokens the grammar forces next (canonically tokenised), at most ``limit``."""
         forced = self.matcher.compute_ff_tokens() if not self.matcher.is_stopped() else []
         return list(forced[:limit] if limit is not None else forced)
+
+    def continuation(self, limit: int, path: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
+        """(tokens, values) a draft can write after the output plus ``path`` (the matcher
+        stands there): the forced tokens (value 1), then, where forced bytes are left that
+        they do not cover, the likeliest allowed token the habits know for those bytes
+        (value: its chance, times the value before it), and so on, at most ``limit``
+        tokens. The matcher is left where it stood."""
+        matcher = self.matcher
+        tokens: list[int] = []
+        values: list[float] = []
+        value = 1.0
+        while len(tokens) < limit and not matcher.is_stopped():
+            forced = list(matcher.compute_ff_tokens()[: limit - len(tokens)])
+            if forced and not matcher.consume_tokens(forced):
+                break
+            tokens += forced
+            values += [value] * len(forced)
+            left = matcher.compute_ff_bytes() if len(tokens) < limit and not matcher.is_stopped() else b""
+            layout = next(
+                ((token, chance) for token, chance in self.vocabulary.habits.candidates(left)
+                 if matcher.try_consume_tokens([token]) == 1),
+                None,
+            ) if left else None  # fmt: skip
+            if layout is None:
+                break
+            self.layouts.add((path + tuple(tokens), left))
+            value *= layout[1]
+            tokens.append(layout[0])
+            values.append(value)
+        if tokens:
+            matcher.rollback(len(tokens))
+        return tokens, values
 
     # ---------------------------------------------------------------- one round's draft
 
@@ -308,41 +381,45 @@ class GrammarState:
         return pruned
 
     def extend_forced(self, draft: Draft, limit: int) -> Draft:
-        """``draft`` with the grammar's forced continuation (at most ``limit`` tokens)
-        appended to each leaf. Added nodes are deterministic (point masses)."""
+        """``draft`` with the grammar's continuation (:meth:`continuation`: its forced tokens
+        and the layout tokens between them, at most ``limit``) appended to each leaf. Added
+        nodes are deterministic (point masses); a node's value is its leaf's times its own."""
         if not draft.tokens or limit <= 0:
             return draft
         paths = self.paths(draft)
         leaves = [node for node in range(len(draft)) if not draft.children[node + 1]]
         tokens, parents = list(draft.tokens), list(draft.parents)
-        added_any = False
+        shares: list[float] = []
         for leaf in leaves:
             path = list(paths[leaf])
             if len(self.before_end(path)) < len(path):  # the draft ends there
                 continue
             if not self.matcher.consume_tokens(path):
                 raise RuntimeError(f"internal: draft path {path} is not allowed by the grammar")
-            forced = self.forced(limit)
+            added, values = self.continuation(limit, paths[leaf])
             self.matcher.rollback(len(path))
             parent = leaf
-            for token in forced:
+            for token, value in zip(added, values):
                 tokens.append(token)
                 parents.append(parent)
+                shares.append(value)
                 parent = len(tokens) - 1
-            added_any = added_any or bool(forced)
-        if not added_any:
+        if not shares:
             return draft
         extra = len(tokens) - len(draft)
         probs = draft.draft_probs
-        if probs is not None:  # the forced nodes are point masses on their tokens
+        if probs is not None:  # the added nodes are point masses on their tokens
             forced_rows = torch.zeros(extra, probs.shape[-1], dtype=probs.dtype, device=probs.device)
             forced_rows[torch.arange(extra), torch.tensor(tokens[len(draft) :])] = 1.0
             probs = torch.cat([probs, forced_rows])
         values = None
-        if draft.values is not None:  # a forced node is accepted when its leaf is
+        if draft.values is not None:  # an added node is accepted when its leaf is, times its share
             values = list(draft.values)
-            for node in range(len(draft), len(tokens)):
-                values.append(values[parents[node]])
+            for node, share in zip(range(len(draft), len(tokens)), shares):
+                leaf = node
+                while leaf >= len(draft):
+                    leaf = parents[leaf]
+                values.append(values[leaf] * share)
         own = list(range(len(draft))) + [None] * extra  # the added nodes are nobody's
         return Draft(tokens, parents, probs, dict(draft.extras), values=values, origin=(draft, own))
 

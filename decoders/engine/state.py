@@ -39,7 +39,8 @@ class DecodeState:
     # the target's session, given only to a proposer that drafts in it (drafts_in_target)
     session: ModelSession | None = None
     # the request's constraint, where it has one: its state after the output so far
-    # (``grammar.forced()`` is what the grammar forces next; the ``grammar`` proposer drafts it)
+    # (``grammar.continuation(k)``: what it forces next, and the layout tokens between; the
+    # ``grammar`` proposer drafts it)
     grammar: GrammarState | None = None
     # seconds, read by differences, that drafting measures its own cost with: wall time for a
     # request alone; in a batch drafting together, its share (decoders/engine/drafting.py)
