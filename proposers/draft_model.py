@@ -28,6 +28,13 @@ draft's own numbering) to the fed entries along it, which the next round keeps
 (``ModelSession.keep``), the rest dropped. A round not observed keeps none (its
 tokens are fed again).
 
+In a batch (decoders/engine/batch.py) each request drafts in a session of its own over
+the one draft, and the passes its requests' drafts need over a chain (the committed
+tokens a session lacks and the pending token; each token of a chain draft) run as one
+packed pass of the draft per step (:class:`DraftPass`, decoders/engine/drafting.py): the
+draft's weights are read once for all of them. A tree's deeper levels (``k`` > 1) run
+per request.
+
 Reduced draft vocabulary (``vocab_size=N``, FR-Spec, Zhao et al. 2025): the
 draft's cost per token is dominated by its LM head over the whole vocabulary
 (49,152 rows for SmolLM2). With ``vocab_size`` set, the head's weight rows are
@@ -44,6 +51,7 @@ target's mass outside the N tokens).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +62,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdec.decoders.engine.context import artifact_source
 from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.drafting import DraftSteps, Work, run_alone
 from specdec.decoders.engine.files import readable_artifact
 from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
 from specdec.decoders.engine.registry import register_proposer
@@ -66,6 +75,7 @@ from specdec.decoders.models.loading import (
     resolve_dtype,
     tiny_draft_model,
 )
+from specdec.decoders.models.session import ModelSession
 from specdec.decoders.models.target import Target
 from specdec.proposers.vocabulary import ReducedVocabulary
 
@@ -197,21 +207,27 @@ class DraftModelProposer(Proposer):
         self.session.keep(self._draft_start, self._keep_fed)
         self._keep_fed = []
 
-    @torch.inference_mode()
     def propose(self, state) -> Draft:
+        return run_alone(self.drafting(state))
+
+    def drafting(self, state) -> DraftSteps:
+        """The draft, as steps: each pass of the draft over a chain (the committed tokens it
+        lacks and the pending token, then each token of a chain draft) is a :class:`DraftPass`,
+        which a batch runs for all its requests as one packed pass. A tree's deeper levels
+        run per request."""
         tokens = state.tokens
         self._sync()
         self._draft_start = len(tokens)
         self._fed_parents = []
-        logits = self.session.forward(tokens[len(self.session) :], last_only=True)[-1]  # (vocab,)
+        logits = yield DraftPass(self.draft, self.session, tokens[len(self.session) :])  # (vocab,)
         if not self.config.tree:
-            draft = self._draft_chain(logits, state)
+            draft = yield from self._draft_chain(logits, state)
             fed = len(self._fed_parents)  # the chain's first nodes, each fed for the next
             self._fed_of_node = [node if node < fed else None for node in range(len(draft))]
             return draft
         return self._draft_tree(logits, state)
 
-    def _draft_chain(self, logits: torch.Tensor, state) -> Draft:
+    def _draft_chain(self, logits: torch.Tensor, state) -> DraftSteps:
         """k tokens, each fed back for the next; sampled from the processed draft
         distribution when sampling."""
         draft_tokens: list[int] = []
@@ -231,7 +247,7 @@ class DraftModelProposer(Proposer):
             draft_tokens.append(token)
             if i + 1 < self.config.k:
                 self._fed_parents.append(i - 1)
-                logits = self.session.forward([token])[-1]
+                logits = yield DraftPass(self.draft, self.session, [token])
         draft_probs = torch.stack(draft_rows) if draft_rows else None  # (k, vocab)
         return Draft.chain(draft_tokens, draft_probs)
 
@@ -272,6 +288,38 @@ class DraftModelProposer(Proposer):
         if self.config.tree:
             facts.update(self.tree.describe())
         return facts
+
+
+@dataclass
+class DraftPass(Work):
+    """A pass of the draft model over a chain of ``tokens`` appended to one request's
+    ``session``; its result is the last token's logits, (vocab,). A batch's passes over
+    the same draft run as one packed pass (:meth:`Target.packed_forward`)."""
+
+    draft: Target
+    session: ModelSession
+    tokens: list[int]
+
+    @property
+    def rows(self) -> int:  # type: ignore[override]
+        return len(self.tokens)
+
+    def key(self) -> tuple[str, int]:
+        return ("draft model pass", id(self.draft))
+
+    @classmethod
+    def run_together(cls, works: Sequence[DraftPass]) -> list[torch.Tensor]:
+        if len(works) == 1:
+            work = works[0]
+            return [work.session.forward(work.tokens, last_only=True)[-1]]
+        with torch.inference_mode():
+            logits = works[0].draft.packed_forward(
+                [work.session for work in works],
+                [work.tokens for work in works],
+                [None] * len(works),
+                last_only=True,
+            )
+        return [row[-1] for row in logits]
 
 
 def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: ModelConfig) -> Target:

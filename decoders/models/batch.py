@@ -113,10 +113,12 @@ def packed_forward(
     parents: Sequence[list[int] | None],
     layout: BatchLayout,
     inner: Callable,
+    last_only: bool = False,
 ) -> list[torch.Tensor]:
     """Append each request's block to its session in one pass of ``decoder`` (run with the
     packed attention, which calls ``inner`` per request) and return each block's logits,
-    (len(block), vocab), as :meth:`ModelSession.forward` would."""
+    (len(block), vocab), as :meth:`ModelSession.forward` would (``last_only``: its last
+    token's, (1, vocab))."""
     first = sessions[0]
     spans, positions, masks = [], [], []
     row = 0
@@ -145,10 +147,11 @@ def packed_forward(
     finally:
         layout.clear()
     hidden = outputs.last_hidden_state[0]  # (rows, hidden)
-    every = first.lm_head(hidden)  # the LM head over all rows at once: a linear, per row like the others
+    # the LM head over all rows (or each block's last) at once: a linear, per row like the others
+    every = first.lm_head(hidden[[end - 1 for _, end in spans]] if last_only else hidden)
     logits = []
-    for session, block, (start, end) in zip(sessions, blocks, spans):
+    for i, (session, block, (start, end)) in enumerate(zip(sessions, blocks, spans)):
         session.hidden = hidden[start:end]
         session.cached.extend(block)
-        logits.append(every[start:end])
+        logits.append(every[i : i + 1] if last_only else every[start:end])
     return logits

@@ -59,8 +59,11 @@ class ModelSession:
         self.reset()
 
     def for_request(self) -> ModelSession:
-        """A fresh session over the same model, for another request decoded at the same time."""
-        return ModelSession(self.model, target=self.target)
+        """A fresh session over the same model (and the same LM head: a draft's may be cut to
+        a reduced vocabulary), for another request decoded at the same time."""
+        other = ModelSession(self.model, target=self.target)
+        other.lm_head = self.lm_head
+        return other
 
     def reset(self) -> None:
         self.cache = growing_cache(self.model.config)

@@ -161,9 +161,11 @@ class Target:
         sessions: list[ModelSession],
         blocks: list[list[int]],
         parents: list[list[int] | None],
+        last_only: bool = False,
     ) -> list[torch.Tensor]:
         """One pass over several requests: each block (a chain, or a tree by ``parents`` as in
-        :meth:`ModelSession.forward`) appended to its own session; each block's logits.
+        :meth:`ModelSession.forward`) appended to its own session; each block's logits
+        (``last_only``: its last token's).
         Attention runs per request with the function a request alone would run."""
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -182,7 +184,9 @@ class Target:
         for each in configs:  # for this pass only (set_attn_implementation would re-check the model)
             each._attn_implementation = name
         try:
-            return packed_forward(self.decoder(), sessions, blocks, parents, self._batch_layout, inner)
+            return packed_forward(
+                self.decoder(), sessions, blocks, parents, self._batch_layout, inner, last_only
+            )
         finally:
             for each in configs:
                 each._attn_implementation = alone

@@ -239,6 +239,32 @@ def test_reduced_vocabulary_greedy_equals_standard_greedy(distilled, tiny_model,
     assert accepted > 0 and drafted and set(drafted) <= vocabulary
 
 
+@pytest.mark.parametrize("options", [{}, {"tree": True, "k": 1, "tree_width": 3}], ids=["chain", "tree"])
+def test_a_reduced_vocabulary_draft_drafts_a_batch_in_packed_passes(
+    distilled, tiny_model, tiny_config, options, monkeypatch
+):
+    """In a batch each request has a session of its own over the draft, with the head cut
+    to the reduced vocabulary as the first one's; the requests' draft passes run as one
+    packed pass per step, and every request decodes as it would alone."""
+    from specdec.proposers.draft_model import DraftPass
+
+    standard = pipeline_over(tiny_model, tiny_config, distilled)
+    speculative = standard.with_components(reduced_spec(**options), "tree" if options else "greedy")
+    joined: list[int] = []
+    run_together = DraftPass.run_together.__func__
+
+    def recording(cls, works):
+        joined.append(len(works))
+        return run_together(cls, works)
+
+    monkeypatch.setattr(DraftPass, "run_together", classmethod(recording))
+    prompts = ["Write a haiku about rain.", "Summarize: tides follow the moon.", "List three primes."]
+    batch = speculative.generate_batch(prompts, 30, batch_size=3)
+    assert [r.tokens for r in batch.results] == [standard.generate(p, 30).tokens for p in prompts]
+    assert sum(r.stats.accepted for r in batch.results) > 0
+    assert max(joined) == 3  # the three requests' passes in one call
+
+
 def test_reduced_vocabulary_sampling_has_standard_decodings_distribution(distilled, tiny_model, tiny_config):
     """Temperature 1 (top-k 6 keeps the outcomes enumerable): the first 3 tokens of 300
     speculative samples fit standard decoding's exact distribution, although the
