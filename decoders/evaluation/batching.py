@@ -52,6 +52,9 @@ class BatchRun:
     drafted_per_request: float  # draft tokens per request per pass (0 without drafts)
     accepted_per_request: float = 0.0  # draft tokens accepted per request per pass
     plain_share: float = 0.0  # passes the batch gate kept plain, over all passes
+    first_accepted: float = (
+        0.0  # of a request's drafted rounds, the share whose first draft token was accepted
+    )
 
 
 def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None:
@@ -88,8 +91,21 @@ def pipeline_runner(pipeline: Pipeline, max_new_tokens: int) -> Runner:
         drafted = sum(stats.drafted) / request_passes
         accepted = sum(r.stats.accepted for r in batch.results) / request_passes
         plain = stats.plain_rounds / max(stats.rounds, 1)
+        rounds = [
+            emitted > 1
+            for r in batch.results
+            for size, emitted in zip(r.stats.draft_sizes, r.stats.emitted_per_round)
+            if size
+        ]
+        first = sum(rounds) / len(rounds) if rounds else 0.0
         return BatchRun(
-            [r.tokens for r in batch.results], stats.wall_time, stats.latencies, drafted, accepted, plain
+            [r.tokens for r in batch.results],
+            stats.wall_time,
+            stats.latencies,
+            drafted,
+            accepted,
+            plain,
+            first,
         )
 
     return run
@@ -190,16 +206,32 @@ def stop_estimate(accepted: float, drafted: float, curve, largest: int) -> int |
     return None
 
 
+def any_stop_estimate(first_accepted: float, curve, largest: int) -> int | None:
+    """The cost model's batch size where no draft token pays any more, so the sizer should
+    draft nothing: the smallest B at which one more row in a pass of B rows costs more than
+    the likeliest draft token gives, a <= B (T(B + 1) - T(B)) / T(B), with a the share of
+    rounds alone whose first draft token was accepted (None: one pays up to ``largest``)."""
+    for size in range(1, largest + 1):
+        if first_accepted <= size * (curve(size + 1) - curve(size)) / curve(size):
+            return size
+    return None
+
+
 def stop_estimates(rows: list[dict], curve, largest: int) -> dict:
-    """Per pipeline, :func:`stop_estimate` from its drafts at the smallest batch size run."""
+    """Per pipeline, from its drafts at the smallest batch size run: where drafting as much
+    as there stops paying (:func:`stop_estimate`) and where any drafting does
+    (:func:`any_stop_estimate`)."""
     estimates = {}
     for row in sorted(rows, key=lambda r: r["batch_size"]):
         name, accepted, drafted = row["pipeline"], row["accepted_per_request"], row["drafted_per_request"]
         if name not in estimates and drafted > 0:
+            first = row.get("first_accepted", 0.0)
             estimates[name] = {
                 "accepted_per_request": accepted,
                 "drafted_per_request": drafted,
+                "first_accepted": first,
                 "stops_at": stop_estimate(accepted, drafted, curve, 4 * largest),
+                "any_stops_at": any_stop_estimate(first, curve, 4 * largest),
             }
     return estimates
 
@@ -224,6 +256,7 @@ def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[i
                 "identical_outputs": sum(same) / len(same),
                 "accepted_per_request": statistics.mean(run.accepted_per_request for run in each),
                 "plain_share": statistics.mean(run.plain_share for run in each),
+                "first_accepted": statistics.mean(run.first_accepted for run in each),
             }
         )
     return rows
@@ -250,11 +283,13 @@ def format_batch_table(payload: dict) -> str:
             lines.append(
                 f"A/A twin at batch {size}: {twin['speedup']:.3f}x, {verdict} ±{AA_TOLERANCE:.0%} (the noise band)"
             )
+    beyond = "beyond " + str(4 * max(payload["batch_sizes"]))
     for name, estimate in (payload.get("stop_estimates") or {}).items():
         lines.append(
             f"cost model: {name} ({estimate['drafted_per_request']:.2f} drafted, "
             f"{estimate['accepted_per_request']:.2f} accepted per request per pass alone) stops paying at batch size "
-            f"{estimate['stops_at'] or 'beyond ' + str(4 * max(payload['batch_sizes']))}"
+            f"{estimate['stops_at'] or beyond}; any draft token (first accepted "
+            f"{estimate.get('first_accepted', 0.0):.2f} alone) at {estimate.get('any_stops_at') or beyond}"
         )
     return "\n".join(lines)
 

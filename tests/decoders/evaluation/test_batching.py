@@ -75,3 +75,16 @@ def test_the_cost_models_stop_estimate():
     assert stop_estimate(0.5, 1.0, CostCurve({1: 1.0, 512: 1.0}), 64) is None  # a flat T pays at any size
     linear = CostCurve({1: 1.0, 101: 2.0})  # each row 1% of T(1): (1.3) / T(2B) <= 1 / T(B) from B = 43
     assert stop_estimate(0.3, 1.0, linear, 64) == 43
+
+
+def test_the_cost_models_estimate_of_where_any_drafting_stops():
+    from specdec.decoders.evaluation.batching import any_stop_estimate
+    from specdec.decoders.models.cost import CostCurve
+
+    steep_after_8 = CostCurve({1: 1.0, 8: 1.0, 9: 2.0, 64: 57.0})
+    # a 9th row doubles the pass: even a draft token accepted 9 times in 10 stops paying at 8 rows
+    assert any_stop_estimate(0.9, steep_after_8, 64) == 8
+    assert any_stop_estimate(0.9, CostCurve({1: 1.0, 512: 1.0}), 64) is None
+    linear = CostCurve({1: 1.0, 101: 2.0})  # a 0.5 token stops paying once 0.01 B >= 0.5 T(B): B = 99
+    assert any_stop_estimate(0.5, linear, 200) == 99
+    assert any_stop_estimate(0.5, linear, 64) is None
