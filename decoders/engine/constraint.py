@@ -389,7 +389,7 @@ class GrammarState:
         paths = self.paths(draft)
         leaves = [node for node in range(len(draft)) if not draft.children[node + 1]]
         tokens, parents = list(draft.tokens), list(draft.parents)
-        shares: list[float] = []
+        shares: list[tuple[int, float]] = []  # each added node's (leaf, chance given its leaf)
         for leaf in leaves:
             path = list(paths[leaf])
             if len(self.before_end(path)) < len(path):  # the draft ends there
@@ -402,7 +402,7 @@ class GrammarState:
             for token, value in zip(added, values):
                 tokens.append(token)
                 parents.append(parent)
-                shares.append(value)
+                shares.append((leaf, value))
                 parent = len(tokens) - 1
         if not shares:
             return draft
@@ -415,11 +415,7 @@ class GrammarState:
         values = None
         if draft.values is not None:  # an added node is accepted when its leaf is, times its share
             values = list(draft.values)
-            for node, share in zip(range(len(draft), len(tokens)), shares):
-                leaf = node
-                while leaf >= len(draft):
-                    leaf = parents[leaf]
-                values.append(values[leaf] * share)
+            values += [values[leaf] * share for leaf, share in shares]
         own = list(range(len(draft))) + [None] * extra  # the added nodes are nobody's
         return Draft(tokens, parents, probs, dict(draft.extras), values=values, origin=(draft, own))
 
