@@ -207,12 +207,16 @@ def stop_estimate(accepted: float, drafted: float, curve, largest: int) -> int |
 
 
 def any_stop_estimate(first_accepted: float, curve, largest: int) -> int | None:
-    """The cost model's batch size where no draft token pays any more, so the sizer should
-    draft nothing: the smallest B at which one more row in a pass of B rows costs more than
-    the likeliest draft token gives, a <= B (T(B + 1) - T(B)) / T(B), with a the share of
-    rounds alone whose first draft token was accepted (None: one pays up to ``largest``)."""
+    """The cost model's batch size where no draft pays any more, so the sizer should draft
+    nothing: the smallest B at which adding k rows to a pass of B, each a request's likeliest
+    draft token, yields fewer tokens per second for every k from 1 to B,
+    (B + k a) / T(B + k) <= B / T(B), with a the share of rounds alone whose first draft
+    token was accepted (None: some k pays up to ``largest``). Every k, not only one row: T(n)
+    rises in steps, and a step's first row may not pay where its last rows do."""
     for size in range(1, largest + 1):
-        if first_accepted <= size * (curve(size + 1) - curve(size)) / curve(size):
+        if all(
+            (size + k * first_accepted) / curve(size + k) <= size / curve(size) for k in range(1, size + 1)
+        ):
             return size
     return None
 

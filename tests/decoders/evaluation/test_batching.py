@@ -85,6 +85,9 @@ def test_the_cost_models_estimate_of_where_any_drafting_stops():
     # a 9th row doubles the pass: even a draft token accepted 9 times in 10 stops paying at 8 rows
     assert any_stop_estimate(0.9, steep_after_8, 64) == 8
     assert any_stop_estimate(0.9, CostCurve({1: 1.0, 512: 1.0}), 64) is None
-    linear = CostCurve({1: 1.0, 101: 2.0})  # a 0.5 token stops paying once 0.01 B >= 0.5 T(B): B = 99
-    assert any_stop_estimate(0.5, linear, 200) == 99
-    assert any_stop_estimate(0.5, linear, 64) is None
+    linear = CostCurve({1: 1.0, 1001: 11.0})  # each row 1% of T(1): 0.3 k (99 + B) <= B k from B = 42.4
+    assert any_stop_estimate(0.3, linear, 200) == 43
+    assert any_stop_estimate(0.3, linear, 40) is None
+    stepped = CostCurve({1: 1.0, 8: 1.0, 9: 1.5, 16: 1.5, 17: 3.0, 64: 50.0})
+    # at 8 rows a 9th alone does not pay, but 8 more do (the step's rows are free): stop at 16
+    assert any_stop_estimate(0.9, stepped, 64) == 16
