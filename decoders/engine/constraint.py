@@ -308,7 +308,7 @@ class GrammarState:
         values: list[float] = []
         value = 1.0
         while len(tokens) < limit and not matcher.is_stopped():
-            forced = list(matcher.compute_ff_tokens()[: limit - len(tokens)])
+            forced = self.forced(limit - len(tokens))
             if forced and not matcher.consume_tokens(forced):
                 break
             tokens += forced
