@@ -54,10 +54,26 @@ class LayerTap:
 
     def outputs(self, final_hidden: torch.Tensor) -> dict[int, torch.Tensor]:
         """layer -> (q, hidden) outputs of the pass whose final hidden states (its first
-        sequence's, as a session keeps them) are ``final_hidden``."""
+        sequence's, as a session keeps them) are ``final_hidden``, or hold them: a packed
+        pass over several requests (decoders/models/batch.py) gives each request's session
+        its rows of the pass's final states, and each gets its rows of every layer."""
         for i in range(len(self._passes) - 1, -1, -1):
             final, outputs = self._passes[i]
-            if final.data_ptr() == final_hidden.data_ptr():
+            rows = _rows_of(final[0], final_hidden)
+            if rows is not None:
                 self._passes.append(self._passes.pop(i))  # most recently used last
-                return {layer: values[0] for layer, values in outputs.items()}
+                return {layer: values[0][rows] for layer, values in outputs.items()}
         raise RuntimeError("the target's latest pass did not run through its decoder: no layer features")
+
+
+def _rows_of(final: torch.Tensor, hidden: torch.Tensor) -> slice | None:
+    """The rows of ``final`` (rows, hidden) that ``hidden`` (q, hidden) is a view of (None:
+    it is not one)."""
+    if final.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr():
+        return None
+    if final.stride() != hidden.stride() or final.shape[1:] != hidden.shape[1:]:
+        return None
+    offset, rest = divmod(hidden.data_ptr() - final.data_ptr(), final.element_size() * final.stride(0))
+    if rest or offset < 0 or offset + len(hidden) > len(final):
+        return None
+    return slice(offset, offset + len(hidden))

@@ -58,6 +58,10 @@ class EagleProposer(Proposer):
     def reads_target_layers(self) -> bool:
         return True  # its features are the target's layer outputs, tapped as its passes run
 
+    @property
+    def batch_refusal(self) -> str | None:
+        return None  # the tap gives each request its own rows of a packed pass's layers
+
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
         if config.k < 1:

@@ -100,3 +100,26 @@ def test_a_copy_of_a_routed_layer_computes_on_the_same_route():
     with torch.no_grad():
         rows = layer(x)
         assert all(torch.equal(layer(x[i : i + 1])[0], rows[i]) for i in range(6))
+
+
+def test_the_tap_gives_each_request_its_rows_of_a_packed_pass():
+    """A packed pass over several requests files one set of layer outputs; each request's
+    session holds its rows of the final states, and the tap gives it its rows of every
+    layer: what its own pass gives (float64, to 1e-12)."""
+    model = tiny_random_model(320, 64, 2, seed=3).double()
+    target = Target(model)
+    tap = target.tap([0])
+    blocks = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    sessions = [target.session() for _ in blocks]
+    for session, prefix in zip(sessions, ([1, 2], [3], [4, 4, 4])):
+        session.forward(prefix)
+    target.packed_forward(sessions, blocks, [None] * len(blocks))
+    packed = [tap.outputs(session.hidden)[0] for session in sessions]
+    for session, block, rows in zip(sessions, blocks, packed):
+        alone = target.session()
+        alone.forward(session.cached[: len(session) - len(block)])
+        alone.forward(block)
+        assert rows.shape[0] == len(block)
+        torch.testing.assert_close(rows, tap.outputs(alone.hidden)[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="no layer features"):
+        tap.outputs(torch.zeros(2, 64, dtype=torch.float64))
