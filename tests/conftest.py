@@ -136,6 +136,20 @@ def random_prompts(count: int, vocab: int = 256, seed: int = 0, repetitive: bool
 AS_ON_AVX2 = "-avx2"
 
 
+def spy_drafts(proposer, seen) -> None:
+    """Call ``seen(state, draft)`` with every draft ``proposer`` returns to the engine, which
+    asks for drafts through :meth:`Proposer.drafting` (a proposer drafting in steps never
+    calls its ``propose`` there)."""
+    drafting = proposer.drafting
+
+    def spied(state):
+        draft = yield from drafting(state)
+        seen(state, draft)
+        return draft
+
+    proposer.drafting = spied
+
+
 def requires_cpu(name: str) -> pytest.MarkDecorator:
     """Skip where this CPU (or a simulated one) lacks capability ``name``."""
     return pytest.mark.skipif(

@@ -36,6 +36,7 @@ from specdec.train.draft_model import (
 )
 from specdec.train.job import run
 from specdec.train.ship import ship
+from tests.conftest import spy_drafts
 from tests.train.test_train import compose_train
 
 TINY_DISTILL = [
@@ -223,14 +224,7 @@ def test_reduced_vocabulary_greedy_equals_standard_greedy(distilled, tiny_model,
     vocabulary = set(speculative.proposer.vocabulary.token_ids.tolist())
     assert len(vocabulary) == REDUCED and speculative.proposer.session.lm_head.out_features == REDUCED
     drafted: list[int] = []
-    propose = speculative.proposer.propose
-
-    def recording_propose(state):
-        draft = propose(state)
-        drafted.extend(draft.tokens)
-        return draft
-
-    speculative.proposer.propose = recording_propose
+    spy_drafts(speculative.proposer, lambda state, draft: drafted.extend(draft.tokens))
     accepted = 0
     for prompt in ["Write a haiku about rain.", "Summarize: tides follow the moon.", "List three primes."]:
         result = speculative.generate(prompt, 40)
@@ -282,13 +276,7 @@ def test_reduced_vocabulary_sampling_has_standard_decodings_distribution(distill
     assert min(test.dof for test in positions) >= 3
     assert combined_p_value(positions) > 0.001, positions
     drafts = []
-    propose = speculative.proposer.propose
-
-    def recording_propose(state):
-        drafts.append(propose(state))
-        return drafts[-1]
-
-    speculative.proposer.propose = recording_propose
+    spy_drafts(speculative.proposer, lambda state, draft: drafts.append(draft))
     speculative.generate(prompt, 8, seed=1)
     outside = torch.ones(320, dtype=torch.bool)  # (vocab,)
     outside[speculative.proposer.vocabulary.token_ids] = False
@@ -318,14 +306,12 @@ def test_draft_cache_never_reruns_committed_tokens(
         return forward(tokens, *args, **kwargs)
 
     session.forward = counting_forward
-    propose = speculative.proposer.propose
+    checked: list[bool] = []  # each round: synced, pending token fed
 
-    def checked_propose(state):
-        draft = propose(state)
-        assert session.cached[: len(state.tokens)] == state.tokens  # synced, pending token fed
-        return draft
-
-    speculative.proposer.propose = checked_propose
+    spy_drafts(
+        speculative.proposer,
+        lambda state, draft: checked.append(session.cached[: len(state.tokens)] == state.tokens),
+    )
     prompt = speculative.encode("Explain why the sky is blue.")
     result = speculative.generate(prompt, 40, seed=0)
     assert result.stats.accepted > 0 and result.stats.proposed > result.stats.accepted  # both cases occur
@@ -335,6 +321,7 @@ def test_draft_cache_never_reruns_committed_tokens(
         for position in range(start, min(len(context), len(committed))):
             runs[position] += context[: position + 1] == committed[: position + 1]
     assert runs[: len(committed) - 1] == [1] * (len(committed) - 1)
+    assert checked and all(checked)
 
 
 def test_describe_says_which_draft_ran(distilled, tiny_model, tiny_config):

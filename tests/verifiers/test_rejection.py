@@ -30,7 +30,6 @@ from specdec.decoders import Pipeline
 from specdec.decoders.engine.draft import Draft
 from specdec.decoders.engine.registry import proposer_registry
 from specdec.decoders.engine.sampling import NonFiniteLogitsError, SamplingConfig, processed_probs, sample
-from specdec.decoders.engine.state import DecodeState
 from specdec.decoders.evaluation.audit import sample_outcomes
 from specdec.decoders.evaluation.audit_statistics import (
     combined_p_value,
@@ -41,7 +40,7 @@ from specdec.decoders.evaluation.audit_statistics import (
 from specdec.decoders.models.loading import ModelConfig, load_model
 from specdec.verifiers.greedy import greedy_walk
 from specdec.verifiers.rejection import RejectionVerifier, point_mass, residual_distribution
-from tests.conftest import pipeline_or_skip
+from tests.conftest import pipeline_or_skip, spy_drafts
 
 Prefix = tuple[int, ...]
 SAMPLED = SamplingConfig(temperature=1.0)
@@ -442,14 +441,7 @@ def test_confidence_stopped_drafts_keep_the_distribution(small_vocab, tmp_path, 
 def recorded_drafts(pipeline: Pipeline, prompt: list[int], max_new_tokens: int, seed: int = 0) -> list:
     """(tokens before the round, draft) for every round of one generation."""
     rounds = []
-    propose = pipeline.proposer.propose
-
-    def spy(state: DecodeState) -> Draft:
-        draft = propose(state)
-        rounds.append((list(state.tokens), draft))
-        return draft
-
-    pipeline.proposer.propose = spy
+    spy_drafts(pipeline.proposer, lambda state, draft: rounds.append((list(state.tokens), draft)))
     pipeline.generate(prompt, max_new_tokens, seed=seed)
     return rounds
 
