@@ -52,9 +52,8 @@ class BatchRun:
     drafted_per_request: float  # draft tokens per request per pass (0 without drafts)
     accepted_per_request: float = 0.0  # draft tokens accepted per request per pass
     plain_share: float = 0.0  # passes the batch gate kept plain, over all passes
-    first_accepted: float = (
-        0.0  # of a request's drafted rounds, the share whose first draft token was accepted
-    )
+    # of the requests' drafted rounds, the share whose first draft token was accepted
+    first_accepted: float = 0.0
 
 
 def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None:
@@ -231,6 +230,7 @@ def stop_estimates(rows: list[dict], curve, largest: int) -> dict:
         if name not in estimates and drafted > 0:
             first = row.get("first_accepted", 0.0)
             estimates[name] = {
+                "batch_size": row["batch_size"],
                 "accepted_per_request": accepted,
                 "drafted_per_request": drafted,
                 "first_accepted": first,
@@ -291,9 +291,10 @@ def format_batch_table(payload: dict) -> str:
     for name, estimate in (payload.get("stop_estimates") or {}).items():
         lines.append(
             f"cost model: {name} ({estimate['drafted_per_request']:.2f} drafted, "
-            f"{estimate['accepted_per_request']:.2f} accepted per request per pass alone) stops paying at batch size "
-            f"{estimate['stops_at'] or beyond}; any draft token (first accepted "
-            f"{estimate.get('first_accepted', 0.0):.2f} alone) at {estimate.get('any_stops_at') or beyond}"
+            f"{estimate['accepted_per_request']:.2f} accepted per request per pass at batch "
+            f"{estimate.get('batch_size', 1)}) stops paying at batch size {estimate['stops_at'] or beyond}; "
+            f"any draft token (first accepted {estimate.get('first_accepted', 0.0):.2f}) at "
+            f"{estimate.get('any_stops_at') or beyond}"
         )
     return "\n".join(lines)
 
