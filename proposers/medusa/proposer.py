@@ -196,6 +196,7 @@ class MedusaProposer(Proposer):
         # a dynamic tree's rounds drafted as a sampled tree go to the tuner
         self.sizer = self.dynamic or self.tuner or self.policy
         self.memory: ContextMemory | None = None  # copy heads: the request's committed context
+        self._unstored: list[torch.Tensor] = []  # hidden states of rounds skipped since the last draft
 
     def _load_heads(self, config: Config, context) -> Path:
         """Load the artifact's heads (routed as the target's passes are); their directory."""
@@ -243,30 +244,37 @@ class MedusaProposer(Proposer):
 
     def begin(self, state) -> None:
         self.memory = None if self.heads.copy is None else self.heads.context_memory()
+        self._unstored = []
 
     def _remember(self, state) -> None:
-        """Copy heads: store the positions committed since the last round (the prompt
-        at the first), each with its hidden state, its token and the token after it."""
+        """Copy heads: store the positions committed since the last draft (the prompt
+        at the first), each with its hidden state, its token and the token after it: those
+        of the rounds skipped since (:meth:`skip`) and of the last pass, in one product."""
         committed = len(state.tokens) - 1  # positions before the pending token
         start = len(self.memory)
-        hidden = state.committed_hidden  # (c, hidden)
+        pieces, self._unstored = self._unstored + [state.committed_hidden], []
+        hidden = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (c, hidden)
         if start + len(hidden) != committed:
             raise RuntimeError(
-                f"the copy heads' memory holds {start} positions and the last pass committed {len(hidden)}, "
+                f"the copy heads' memory holds {start} positions and the passes since committed {len(hidden)}, "
                 f"but the request has {committed}: call begin() at each request and propose() every round"
             )
         self.memory.extend(hidden, state.tokens[start:committed], state.tokens[start + 1 : committed + 1])
 
     def _take_in(self, state) -> None:
-        """Copy heads: the last pass's committed positions go to the memory."""
+        """Copy heads: the committed positions not in the memory yet go to it."""
         if self.heads.copy is not None:
             if self.memory is None:  # the first request, begin() not called
                 self.memory = self.heads.context_memory()
+                self._unstored = []
             self._remember(state)
 
-    @torch.inference_mode()
     def skip(self, state) -> None:
-        self._take_in(state)
+        """A round not drafted: its committed positions' hidden states wait for the next
+        draft, which stores them with its own in one product (a batch the gate keeps plain
+        pays nothing per request for the copy heads)."""
+        if self.heads.copy is not None:
+            self._unstored.append(state.committed_hidden)  # a copy (rows taken by index)
 
     def propose(self, state) -> Draft:
         return run_alone(self.drafting(state))
