@@ -18,15 +18,18 @@ the first ``1 / weight`` rounds, then exponential averages as long (of tokens an
 apart, so a round's rate weighs by its length).
 
 - **Measured**: once a class has ``min_rounds`` of each kind, a round drafts while the
-  drafted rounds' rate is at least the plain rounds' (within ``margin``).
+  drafted rounds' rate is at least the plain rounds' (within ``margin``); already after
+  ``quick_rounds`` of each where one kind is slower by ``decisive`` or more (a drafter whose
+  rounds cost half again as much for a few more tokens is not measured further).
 - **Inferred**: drafting pays less as the batch grows (the pass each draft token widens is
   dearer, and each token's share of it larger). So a class not measured yet takes plain
   rounds where a smaller class found plain rounds faster, and drafted ones where a larger
   class found drafting faster; it measures itself through its probes meanwhile. A
   batch that drains through the classes below its own does not spend rounds measuring
   what its larger classes already tell.
-- **Otherwise** it measures both kinds, ``min_rounds`` each, first the kind the nearest
-  measured class found faster (drafted where none is).
+- **Otherwise** it measures both kinds, ``quick_rounds`` each, then ``min_rounds`` each
+  unless that decided, first the kind the nearest measured class found faster (drafted
+  where none is).
 - **Probes**: the losing kind is measured again one round in an interval, ``explore_every``
   at least, longer the more that kind loses (so probing costs at most ``explore_cost`` of
   the throughput: a probe of a kind 30% slower comes every 60 rounds), at most
@@ -63,6 +66,12 @@ class _Size:
     since_probe: int = 0
 
 
+def _loss(a: float, b: float) -> float:
+    """How much slower the slower of two rates is, as a share of the faster."""
+    best = max(a, b)
+    return 1.0 - min(a, b) / best if best > 0 else 0.0
+
+
 class BatchGate:
     """Decides, round by round of a batch, whether its requests draft (:meth:`drafts`), and
     learns from each round (:meth:`record`). See the module."""
@@ -75,6 +84,8 @@ class BatchGate:
         min_rounds: int = 4,
         explore_cost: float = 0.005,
         max_interval: int = 256,
+        quick_rounds: int = 2,
+        decisive: float = 0.2,
     ) -> None:
         self.explore_every, self.weight, self.margin, self.min_rounds = (
             explore_every,
@@ -83,6 +94,7 @@ class BatchGate:
             min_rounds,
         )
         self.explore_cost, self.max_interval = explore_cost, max_interval
+        self.quick_rounds, self.decisive = min(quick_rounds, min_rounds), decisive
         self.forget()
 
     def forget(self) -> None:
@@ -101,7 +113,10 @@ class BatchGate:
         if size is None:
             return None
         drafted, plain = size.rates[DRAFTED], size.rates[PLAIN]
-        if drafted.rounds < self.min_rounds or plain.rounds < self.min_rounds:
+        rounds = min(drafted.rounds, plain.rounds)
+        if rounds < self.quick_rounds:
+            return None
+        if rounds < self.min_rounds and _loss(drafted.rate, plain.rate) < self.decisive:
             return None
         return DRAFTED if drafted.rate >= plain.rate * (1 - self.margin) else PLAIN
 
@@ -132,10 +147,8 @@ class BatchGate:
     def probe_interval(self, size_class: int) -> int:
         """Rounds between probes of the losing kind in a measured class: the explored share
         of rounds times what each loses at most ``explore_cost``."""
-        size = self.sizes[size_class]
-        drafted, plain = size.rates[DRAFTED].rate, size.rates[PLAIN].rate
-        best, worst = max(drafted, plain), min(drafted, plain)
-        loss = 1.0 - worst / best if best > 0 else 0.0
+        rates = self.sizes[size_class].rates
+        loss = _loss(rates[DRAFTED].rate, rates[PLAIN].rate)
         return min(max(self.explore_every, round(loss / self.explore_cost)), self.max_interval)
 
     def drafts(self, requests: int) -> bool:
@@ -152,7 +165,10 @@ class BatchGate:
             ]
             nearest = self._measured(min(measured)[1]) if measured else DRAFTED
             first = drafted if nearest == DRAFTED else plain
-            drafting = (first is drafted) == (first.rounds < self.min_rounds)
+            quick = min(drafted.rounds, plain.rounds) < self.quick_rounds
+            drafting = (first is drafted) == (
+                first.rounds < (self.quick_rounds if quick else self.min_rounds)
+            )
         else:
             drafting = kind == DRAFTED
             size.since_probe += 1

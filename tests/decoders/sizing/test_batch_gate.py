@@ -17,13 +17,25 @@ def run_rounds(gate: BatchGate, requests: int, rounds: int, rates: dict[bool, fl
 
 
 def test_each_kind_is_measured_then_the_faster_runs_and_the_other_is_probed():
-    gate = BatchGate(explore_every=5, min_rounds=3, explore_cost=1.0)  # probes every 5 rounds
+    gate = BatchGate(explore_every=5, min_rounds=3, explore_cost=1.0, decisive=1.0)  # probes every 5 rounds
     decisions = run_rounds(gate, 8, 33, {True: 30.0, False: 50.0})  # plain rounds are faster
-    assert decisions[:6] == [True] * 3 + [False] * 3  # drafted rounds first, then plain ones
+    assert decisions[:6] == [True] * 2 + [False] * 2 + [True] + [False]  # 2 each, then 3 each
     assert gate.winner(8) == PLAIN
     settled = decisions[6:]
     assert settled.count(True) == len(settled) // 5  # one drafted probe every 5 rounds
     assert gate.skipped == decisions.count(False) and gate.drafted == decisions.count(True)
+
+
+def test_a_decisive_gap_decides_after_fewer_rounds():
+    """A kind 20% slower or more is known after ``quick_rounds`` rounds of each; a close
+    call takes ``min_rounds`` of each."""
+    gate = BatchGate(min_rounds=4, quick_rounds=2, decisive=0.2, explore_every=100, explore_cost=1.0)
+    assert run_rounds(gate, 16, 8, {True: 30.0, False: 50.0}) == [True] * 2 + [False] * 6
+    assert gate.winner(16) == PLAIN
+    close = BatchGate(min_rounds=4, quick_rounds=2, decisive=0.2, explore_every=100, explore_cost=1.0)
+    decisions = run_rounds(close, 16, 10, {True: 45.0, False: 50.0})
+    assert decisions == [True] * 2 + [False] * 2 + [True] * 2 + [False] * 4
+    assert close.winner(16) == PLAIN
 
 
 def test_the_more_the_losing_kind_loses_the_rarer_its_probes():
@@ -31,9 +43,9 @@ def test_the_more_the_losing_kind_loses_the_rarer_its_probes():
     one round in 80, one 2% slower every ``explore_every`` rounds; never rarer than
     ``max_interval``."""
     gate = BatchGate(explore_every=12, min_rounds=3, explore_cost=0.005, max_interval=256)
-    decisions = run_rounds(gate, 8, 6 + 160, {True: 30.0, False: 50.0})
+    decisions = run_rounds(gate, 8, 4 + 160, {True: 30.0, False: 50.0})  # decided after 2 of each
     assert gate.probe_interval(8) == 80
-    assert decisions[6:].count(True) == 2
+    assert decisions[4:].count(True) == 2
     close = BatchGate(explore_every=12, min_rounds=3, explore_cost=0.005)
     run_rounds(close, 4, 6, {True: 49.0, False: 50.0})
     assert close.winner(4) == PLAIN and close.probe_interval(4) == 12
@@ -71,7 +83,7 @@ def test_sizes_of_one_class_learn_together_and_other_classes_infer_from_them():
     assert run_rounds(gate, 16, 49, {True: 30.0, False: 50.0}) == [False] * 49
     assert run_rounds(gate, 16, 1, {True: 30.0, False: 50.0}) == [True]  # its probe
     assert gate.winner(4) is None  # plain at 8 tells nothing of 4: measured, plain first
-    assert run_rounds(gate, 4, 6, {True: 60.0, False: 40.0}) == [False] * 3 + [True] * 3
+    assert run_rounds(gate, 4, 6, {True: 60.0, False: 40.0}) == [False] * 2 + [True] * 4  # decisive
     assert gate.winner(4) == DRAFTED and gate.winner(2) == DRAFTED  # inferred from the 4 class
 
     drafting = BatchGate(min_rounds=3)
