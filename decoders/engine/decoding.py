@@ -316,6 +316,8 @@ class Decoding:
         stats.accepted += acceptance.num_accepted
         stats.draft_sizes.append(len(draft))
         stats.emitted_per_round.append(len(new))
+        if drafting and (lead := _lead_value(planned.proposed)) is not None:
+            stats.lead_values.append(lead)
         stats.verify_time += verify_seconds
         stats.draft_time += tock - tick
         # timing starts when the first sizer reads T(n)
@@ -377,3 +379,13 @@ def _round(
         path.append(nodes[node])
     seen = [node for node in nodes if node is not None]
     return Round(proposed, path, seen, acceptance.tokens, draft_seconds, verify_seconds)
+
+
+def _lead_value(proposed: Draft) -> float | None:
+    """A proposal's estimated acceptance of its likeliest first token: 0 for an empty one,
+    None for one without values."""
+    if not len(proposed):
+        return 0.0
+    if proposed.values is None:
+        return None
+    return max(value for value, parent in zip(proposed.values, proposed.parents) if parent < 0)

@@ -23,6 +23,9 @@ class GenerationStats:
     gated_rounds: int = 0  # rounds the round gate kept plain (no drafting)
     draft_sizes: list[int] = field(default_factory=list)  # per round
     emitted_per_round: list[int] = field(default_factory=list)
+    # per drafted round whose proposal was valued (or empty): the estimated acceptance of its
+    # likeliest first token, 0 for an empty proposal (what a batch's joint choice ranks by)
+    lead_values: list[float] = field(default_factory=list)
     # under a constraint: whether the output is a complete sentence of the grammar (None: none)
     constraint_complete: bool | None = None
     grammar_time: float = 0.0  # of the above, seconds llguidance spent computing masks

@@ -23,8 +23,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,8 @@ class BatchRun:
     plain_share: float = 0.0  # passes the batch gate kept plain, over all passes
     # of the requests' drafted rounds, the share whose first draft token was accepted
     first_accepted: float = 0.0
+    # per drafted round with valued proposals, over all requests: its likeliest first token's value
+    lead_values: list[float] = field(default_factory=list)
 
 
 def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None:
@@ -97,6 +99,7 @@ def pipeline_runner(pipeline: Pipeline, max_new_tokens: int) -> Runner:
             if size
         ]
         first = sum(rounds) / len(rounds) if rounds else 0.0
+        leads = [value for r in batch.results for value in r.stats.lead_values]
         return BatchRun(
             [r.tokens for r in batch.results],
             stats.wall_time,
@@ -105,6 +108,7 @@ def pipeline_runner(pipeline: Pipeline, max_new_tokens: int) -> Runner:
             accepted,
             plain,
             first,
+            leads,
         )
 
     return run
@@ -205,17 +209,49 @@ def stop_estimate(accepted: float, drafted: float, curve, largest: int) -> int |
     return None
 
 
-def any_stop_estimate(first_accepted: float, curve, largest: int) -> int | None:
+def ranked_leads(quantiles: Sequence[float], size: int) -> list[float]:
+    """The values of ``size`` requests' likeliest first tokens, best first, as drawn from the
+    distribution whose evenly spaced quantiles (0 to 1) are ``quantiles``: the j-th best is
+    its 1 - (j - 1/2) / size quantile."""
+    points = len(quantiles) - 1
+    ranked = []
+    for j in range(1, size + 1):
+        at = (1 - (j - 0.5) / size) * points
+        low = min(int(at), points)
+        high = min(low + 1, points)
+        ranked.append(quantiles[low] + (quantiles[high] - quantiles[low]) * (at - low))
+    return ranked
+
+
+def lead_quantiles(values: Sequence[float], points: int = 20) -> list[float]:
+    """``points`` + 1 evenly spaced quantiles (0 to 1) of ``values`` (empty: none)."""
+    if not values:
+        return []
+    ordered = sorted(values)
+    return [ordered[round(i * (len(ordered) - 1) / points)] for i in range(points + 1)]
+
+
+def any_stop_estimate(leads: float | Sequence[float], curve, largest: int) -> int | None:
     """The cost model's batch size where no draft pays any more, so the sizer should draft
-    nothing: the smallest B at which adding k rows to a pass of B, each a request's likeliest
-    draft token, yields fewer tokens per second for every k from 1 to B,
-    (B + k a) / T(B + k) <= B / T(B), with a the share of rounds alone whose first draft
-    token was accepted (None: some k pays up to ``largest``). Every k, not only one row: T(n)
-    rises in steps, and a step's first row may not pay where its last rows do."""
+    nothing: the smallest B at which adding k rows to a pass of B, the k likeliest of the B
+    requests' first draft tokens, yields fewer tokens per second for every k from 1 to B,
+    (B + a_1 + ... + a_k) / T(B + k) <= B / T(B) (None: some k pays up to ``largest``).
+
+    ``leads``: the estimated acceptance of a request's likeliest first token, as quantiles
+    of its distribution over the rounds alone (:func:`lead_quantiles`), so a_j is the j-th
+    best of B draws: the joint choice takes the best requests' tokens first, and the more
+    requests, the better the best of them. A single number: every request's alike (the
+    share of rounds whose first token was accepted). Every k, not only one row: T(n) rises
+    in steps, and a step's first row may not pay where its last rows do."""
     for size in range(1, largest + 1):
-        if all(
-            (size + k * first_accepted) / curve(size + k) <= size / curve(size) for k in range(1, size + 1)
-        ):
+        ranked = [float(leads)] * size if isinstance(leads, int | float) else ranked_leads(leads, size)
+        gained, pays = 0.0, False
+        for k in range(1, size + 1):
+            gained += ranked[k - 1]
+            if (size + gained) / curve(size + k) > size / curve(size):
+                pays = True
+                break
+        if not pays:
             return size
     return None
 
@@ -223,19 +259,22 @@ def any_stop_estimate(first_accepted: float, curve, largest: int) -> int | None:
 def stop_estimates(rows: list[dict], curve, largest: int) -> dict:
     """Per pipeline, from its drafts at the smallest batch size run: where drafting as much
     as there stops paying (:func:`stop_estimate`) and where any drafting does
-    (:func:`any_stop_estimate`)."""
+    (:func:`any_stop_estimate`, from the distribution of its first tokens' values where its
+    proposals are valued, else from the share of first tokens accepted)."""
     estimates = {}
     for row in sorted(rows, key=lambda r: r["batch_size"]):
         name, accepted, drafted = row["pipeline"], row["accepted_per_request"], row["drafted_per_request"]
         if name not in estimates and drafted > 0:
             first = row.get("first_accepted", 0.0)
+            leads = row.get("lead_value_quantiles") or []
             estimates[name] = {
                 "batch_size": row["batch_size"],
                 "accepted_per_request": accepted,
                 "drafted_per_request": drafted,
                 "first_accepted": first,
+                "lead_value_quantiles": leads,
                 "stops_at": stop_estimate(accepted, drafted, curve, 4 * largest),
-                "any_stops_at": any_stop_estimate(first, curve, 4 * largest),
+                "any_stops_at": any_stop_estimate(leads or first, curve, 4 * largest),
             }
     return estimates
 
@@ -261,6 +300,7 @@ def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[i
                 "accepted_per_request": statistics.mean(run.accepted_per_request for run in each),
                 "plain_share": statistics.mean(run.plain_share for run in each),
                 "first_accepted": statistics.mean(run.first_accepted for run in each),
+                "lead_value_quantiles": lead_quantiles([v for run in each for v in run.lead_values]),
             }
         )
     return rows
@@ -293,8 +333,7 @@ def format_batch_table(payload: dict) -> str:
             f"cost model: {name} ({estimate['drafted_per_request']:.2f} drafted, "
             f"{estimate['accepted_per_request']:.2f} accepted per request per pass at batch "
             f"{estimate.get('batch_size', 1)}) stops paying at batch size {estimate['stops_at'] or beyond}; "
-            f"any draft token (first accepted {estimate.get('first_accepted', 0.0):.2f}) at "
-            f"{estimate.get('any_stops_at') or beyond}"
+            f"any draft token ({_leads_line(estimate)}) at {estimate.get('any_stops_at') or beyond}"
         )
     return "\n".join(lines)
 
@@ -326,3 +365,11 @@ def batch_plots(payload: dict, folder: Path) -> list[Path]:
         plt.close(figure)
         images.append(folder / name)
     return images
+
+
+def _leads_line(estimate: dict) -> str:
+    """What the estimate of where any drafting stops was made from."""
+    leads = estimate.get("lead_value_quantiles")
+    if leads:
+        return f"likeliest first tokens valued {leads[len(leads) // 2]:.2f} median, {leads[-3]:.2f} p90"
+    return f"first accepted {estimate.get('first_accepted', 0.0):.2f}"

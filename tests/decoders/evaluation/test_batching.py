@@ -28,6 +28,10 @@ def test_batch_mode_reports_every_contender_at_every_size(tmp_path, monkeypatch,
     assert rows[("standard", 1)]["speedup"] == pytest.approx(1.0)
     assert rows[("standard", 3)]["drafted_per_request"] == 0.0
     assert rows[("suffix+tree", 1)]["drafted_per_request"] > 0
+    leads = rows[("suffix+tree", 1)]["lead_value_quantiles"]  # suffix values its nodes
+    assert len(leads) == 21 and leads == sorted(leads) and 0.0 <= leads[0] and leads[-1] <= 1.0
+    assert results["stop_estimates"]["suffix+tree"]["lead_value_quantiles"] == leads
+    assert rows[("standard", 1)]["lead_value_quantiles"] == []
     assert (run_dir / "batch_throughput.png").exists() and (run_dir / "batch_drafted.png").exists()
     table = capsys.readouterr().out
     assert "batch pipeline" in table and "suffix+tree" in table
@@ -91,3 +95,24 @@ def test_the_cost_models_estimate_of_where_any_drafting_stops():
     stepped = CostCurve({1: 1.0, 8: 1.0, 9: 1.5, 16: 1.5, 17: 3.0, 64: 50.0})
     # at 8 rows a 9th alone does not pay, but 8 more do (the step's rows are free): stop at 16
     assert any_stop_estimate(0.9, stepped, 64) == 16
+
+
+def test_where_any_drafting_stops_follows_the_best_requests_first_tokens():
+    """The joint choice takes the likeliest first tokens of the batch first, so the estimate
+    ranks B draws of their values: where half the rounds' first token is worth 0.6 and half
+    nothing, drafting pays up to where a 0.6 token stops paying (B = 99 * 0.6 / 0.4, 149),
+    not where the mean 0.3 does (43)."""
+    from specdec.decoders.evaluation.batching import any_stop_estimate, lead_quantiles, ranked_leads
+    from specdec.decoders.models.cost import CostCurve
+
+    linear = CostCurve({1: 1.0, 1001: 11.0})  # each row 1% of T(1)
+    halves = lead_quantiles([0.0] * 50 + [0.6] * 50)
+    assert len(halves) == 21 and halves[:10] == [0.0] * 10 and halves[11:] == [0.6] * 10
+    assert any_stop_estimate(halves, linear, 400) == 149
+    assert any_stop_estimate(0.3, linear, 400) == 43
+    assert any_stop_estimate(lead_quantiles([0.3] * 10), linear, 400) == 43  # alike: the mean's
+    spread = lead_quantiles([i / 100 for i in range(101)])
+    assert ranked_leads(spread, 1) == pytest.approx([0.5])  # one request: the median
+    best_of_ten = ranked_leads(spread, 10)
+    assert best_of_ten == sorted(best_of_ten, reverse=True) and best_of_ten[0] == pytest.approx(0.95)
+    assert lead_quantiles([]) == []
