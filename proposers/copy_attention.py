@@ -42,9 +42,13 @@ with the positions each verification pass commits, and the rows drafts use.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from specdec.decoders.engine.drafting import Work
 from specdec.proposers.vocabulary import on_vocabulary
 
 GATE_BIAS = 1.5  # a fresh gate gives the head sigmoid(1.5) = 0.82 of the mass
@@ -243,21 +247,80 @@ class ContextMemory:
     def extend(self, hidden: torch.Tensor, tokens: list[int], following: list[int]) -> None:
         """Store positions with final hidden states ``hidden`` (c, hidden), input tokens
         ``tokens`` (their x_j) and the tokens committed after them (their x_(j+1))."""
-        if len(tokens) != len(hidden) or len(following) != len(tokens):
-            raise ValueError(
-                f"{len(hidden)} hidden states for {len(tokens)} positions and {len(following)} next tokens"
-            )
-        if not tokens:
+        ContextMemory.extend_together([self], [(hidden, tokens, following)])
+
+    @staticmethod
+    def extend_together(
+        memories: Sequence[ContextMemory], positions: Sequence[tuple[torch.Tensor, list[int], list[int]]]
+    ) -> None:
+        """:meth:`extend` each of ``memories`` (over one attention and embedding table, a
+        batch's requests) with its ``positions`` (hidden, tokens, following): the keys and
+        values of all of them computed in one product per projection."""
+        pieces = []  # per memory with positions: (its index, h_(j-1), h_j, x_j and x_(j+1))
+        for index, (memory, (hidden, tokens, following)) in enumerate(zip(memories, positions)):
+            if len(tokens) != len(hidden) or len(following) != len(tokens):
+                raise ValueError(
+                    f"{len(hidden)} hidden states for {len(tokens)} positions and {len(following)} next tokens"
+                )
+            if not tokens:
+                continue
+            weight = memory.attention.key.weight
+            hidden = hidden.to(weight.dtype)
+            last = memory.last_hidden
+            first = hidden.new_zeros(1, hidden.shape[-1]) if last is None else last[None]
+            ids = torch.tensor([tokens, following], dtype=torch.long, device=weight.device)  # (2, c)
+            pieces.append((index, torch.cat([first, hidden[:-1]]), hidden, ids))
+        if not pieces:
             return
-        weight = self.attention.key.weight
-        hidden = hidden.to(weight.dtype)
-        first = hidden.new_zeros(1, hidden.shape[-1]) if self.last_hidden is None else self.last_hidden[None]
-        before = torch.cat([first, hidden[:-1]])  # (c, hidden) the h_(j-1)
-        ids = torch.tensor([tokens, following], dtype=torch.long, device=weight.device)  # (2, c)
-        embedded = self.embeddings(ids).to(weight.dtype)  # (2, c, hidden)
-        keys, values = self.attention.entries(before, embedded[0], hidden, embedded[1])
+        first_memory = memories[pieces[0][0]]
+        weight = first_memory.attention.key.weight
+        ids = torch.cat([ids for *_, ids in pieces], dim=1)  # (2, all c)
+        embedded = first_memory.embeddings(ids).to(weight.dtype)  # (2, all c, hidden)
+        keys, values = first_memory.attention.entries(
+            torch.cat([before for _, before, _, _ in pieces]),
+            embedded[0],
+            torch.cat([hidden for _, _, hidden, _ in pieces]),
+            embedded[1],
+        )
+        at = 0
+        for index, _, hidden, own_ids in pieces:
+            count = own_ids.shape[1]
+            memories[index]._append(keys[at : at + count], values[at : at + count], own_ids[1], hidden[-1])
+            at += count
+
+    def _append(
+        self, keys: torch.Tensor, values: torch.Tensor, following: torch.Tensor, last_hidden: torch.Tensor
+    ) -> None:
         self.keys = torch.cat([self.keys, keys.to(self.dtype)])
         self.values = torch.cat([self.values, values.to(self.dtype)])
-        self.following = torch.cat([self.following, ids[1]])
-        self.following_rows = torch.cat([self.following_rows, self._rows_for(ids[1])])
-        self.last_hidden = hidden[-1]
+        self.following = torch.cat([self.following, following])
+        self.following_rows = torch.cat([self.following_rows, self._rows_for(following)])
+        self.last_hidden = last_hidden
+
+
+@dataclass(eq=False)
+class MemoryStore(Work):
+    """Storing one request's committed positions in its :class:`ContextMemory`: a step of
+    drafting that a batch runs for all its requests over the same attention as one product
+    (:meth:`ContextMemory.extend_together`)."""
+
+    memory: ContextMemory
+    hidden: torch.Tensor  # (c, hidden)
+    tokens: list[int]
+    following: list[int]
+
+    @property
+    def rows(self) -> int:  # type: ignore[override]
+        return max(len(self.tokens), 1)
+
+    def key(self) -> tuple[str, int]:
+        return ("copy memory", id(self.memory.attention))
+
+    @classmethod
+    def run_together(cls, works: Sequence[MemoryStore]) -> list[None]:
+        with torch.inference_mode():
+            ContextMemory.extend_together(
+                [work.memory for work in works],
+                [(work.hidden, work.tokens, work.following) for work in works],
+            )
+        return [None] * len(works)

@@ -52,7 +52,7 @@ from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite, processed_probs
 from specdec.decoders.sizing.policy import SizingPolicy
-from specdec.proposers.copy_attention import ContextMemory
+from specdec.proposers.copy_attention import ContextMemory, MemoryStore
 from specdec.proposers.medusa.artifact import CONFIG_FILE, load_artifact
 from specdec.proposers.medusa.heads import HeadStep, MedusaHeads
 from specdec.proposers.medusa.trees import build_tree, draw_siblings
@@ -246,10 +246,11 @@ class MedusaProposer(Proposer):
         self.memory = None if self.heads.copy is None else self.heads.context_memory()
         self._unstored = []
 
-    def _remember(self, state) -> None:
+    def _remember(self, state) -> DraftSteps:
         """Copy heads: store the positions committed since the last draft (the prompt
         at the first), each with its hidden state, its token and the token after it: those
-        of the rounds skipped since (:meth:`skip`) and of the last pass, in one product."""
+        of the rounds skipped since (:meth:`skip`) and of the last pass, in one product (a
+        drafting step: a batch stores every request's in one)."""
         committed = len(state.tokens) - 1  # positions before the pending token
         start = len(self.memory)
         pieces, self._unstored = self._unstored + [state.committed_hidden], []
@@ -259,15 +260,16 @@ class MedusaProposer(Proposer):
                 f"the copy heads' memory holds {start} positions and the passes since committed {len(hidden)}, "
                 f"but the request has {committed}: call begin() at each request and propose() every round"
             )
-        self.memory.extend(hidden, state.tokens[start:committed], state.tokens[start + 1 : committed + 1])
+        tokens = state.tokens
+        yield MemoryStore(self.memory, hidden, tokens[start:committed], tokens[start + 1 : committed + 1])
 
-    def _take_in(self, state) -> None:
+    def _take_in(self, state) -> DraftSteps:
         """Copy heads: the committed positions not in the memory yet go to it."""
         if self.heads.copy is not None:
             if self.memory is None:  # the first request, begin() not called
                 self.memory = self.heads.context_memory()
                 self._unstored = []
-            self._remember(state)
+            yield from self._remember(state)
 
     def skip(self, state) -> None:
         """A round not drafted: its committed positions' hidden states wait for the next
@@ -284,7 +286,7 @@ class MedusaProposer(Proposer):
         """The draft, as drafting steps: every head step (:class:`HeadStep`) a batch's
         requests share."""
         sampling = state.sampling
-        self._take_in(state)
+        yield from self._take_in(state)
         outputs = _HeadOutputs(self.heads, state, self.num_heads, self.memory)
         root = yield from outputs.root()  # (n,) head 0's logits over the draft vocabulary
         if self.dynamic is not None and not (self.tree is not None and not sampling.greedy):

@@ -102,6 +102,42 @@ def test_memory_grown_in_pieces_equals_one_pass():
         pieces.extend(hidden[:2], tokens[:3], tokens[1:4])
 
 
+def test_a_batchs_memories_are_stored_together_as_each_alone():
+    """A batch stores every request's committed positions in one product per projection
+    (``MemoryStore``): each memory ends as it would extended alone, rows and all, and a
+    request with nothing new is left as it was."""
+    from specdec.decoders.engine.drafting import DraftClock, draft_together
+    from specdec.proposers.copy_attention import MemoryStore
+
+    torch.manual_seed(2)
+    embeddings = torch.nn.Embedding(40, 16).double()
+    attention = CopyAttention(16, num_heads=1, width=8).double()
+    draft_vocab = torch.arange(0, 40, 3)
+    texts = [torch.randint(40, (n + 1,)).tolist() for n in (6, 1, 9)]
+    hiddens = [torch.randn(len(t) - 1, 16, dtype=torch.float64) for t in texts]
+    alone = [ContextMemory(attention, embeddings, draft_vocab) for _ in texts]
+    together = [ContextMemory(attention, embeddings, draft_vocab) for _ in texts]
+    for memory in alone + together:  # each holds a first piece already
+        memory.extend(hiddens[0][:2], texts[0][:2], texts[0][1:3])
+    for memory, hidden, text in zip(alone, hiddens, texts):
+        memory.extend(hidden, text[:-1], text[1:])
+    works = [MemoryStore(m, h, t[:-1], t[1:]) for m, h, t in zip(together, hiddens, texts)]
+    works.append(MemoryStore(together[0], hiddens[0][:0], [], []))  # nothing new
+    steps = [(yield_once(work)) for work in works]
+    draft_together(steps, [DraftClock() for _ in steps])
+    for mine, expected in zip(together, alone):
+        torch.testing.assert_close(mine.keys, expected.keys)
+        torch.testing.assert_close(mine.values, expected.values)
+        assert torch.equal(mine.following, expected.following)
+        assert torch.equal(mine.following_rows, expected.following_rows)
+        assert torch.equal(mine.vocab, expected.vocab) and mine.rows == expected.rows
+        torch.testing.assert_close(mine.last_hidden, expected.last_hidden)
+
+
+def yield_once(work):
+    yield work
+
+
 @pytest.fixture(scope="module")
 def copy_artifacts(tmp_path_factory):
     directory = tmp_path_factory.mktemp("copy")
