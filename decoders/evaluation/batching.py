@@ -233,27 +233,28 @@ def lead_quantiles(values: Sequence[float], points: int = 20) -> list[float]:
 
 def any_stop_estimate(leads: float | Sequence[float], curve, largest: int) -> int | None:
     """The cost model's batch size where no draft pays any more, so the sizer should draft
-    nothing: the smallest B at which adding k rows to a pass of B, the k likeliest of the B
-    requests' first draft tokens, yields fewer tokens per second for every k from 1 to B,
-    (B + a_1 + ... + a_k) / T(B + k) <= B / T(B) (None: some k pays up to ``largest``).
+    nothing: the smallest B from which on, up to ``largest``, adding k rows to a pass of B,
+    the k likeliest of the B requests' first draft tokens, yields fewer tokens per second for
+    every k from 1 to B, (B + a_1 + ... + a_k) / T(B + k) <= B / T(B) (None: some k pays at
+    ``largest``). From which on: T(n) rises in steps, so a size just past a step may not pay
+    where larger ones do again; and every k, not only one row: a step's first row may not pay
+    where its last rows do.
 
     ``leads``: the estimated acceptance of a request's likeliest first token, as quantiles
     of its distribution over the rounds alone (:func:`lead_quantiles`), so a_j is the j-th
     best of B draws: the joint choice takes the best requests' tokens first, and the more
     requests, the better the best of them. A single number: every request's alike (the
-    share of rounds whose first token was accepted). Every k, not only one row: T(n) rises
-    in steps, and a step's first row may not pay where its last rows do."""
+    share of rounds whose first token was accepted)."""
+    last_paying = 0
     for size in range(1, largest + 1):
         ranked = [float(leads)] * size if isinstance(leads, int | float) else ranked_leads(leads, size)
-        gained, pays = 0.0, False
+        gained = 0.0
         for k in range(1, size + 1):
             gained += ranked[k - 1]
             if (size + gained) / curve(size + k) > size / curve(size):
-                pays = True
+                last_paying = size
                 break
-        if not pays:
-            return size
-    return None
+    return last_paying + 1 if last_paying < largest else None
 
 
 def stop_estimates(rows: list[dict], curve, largest: int) -> dict:

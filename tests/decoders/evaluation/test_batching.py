@@ -95,6 +95,11 @@ def test_the_cost_models_estimate_of_where_any_drafting_stops():
     stepped = CostCurve({1: 1.0, 8: 1.0, 9: 1.5, 16: 1.5, 17: 3.0, 64: 50.0})
     # at 8 rows a 9th alone does not pay, but 8 more do (the step's rows are free): stop at 16
     assert any_stop_estimate(0.9, stepped, 64) == 16
+    # a step right after 2 rows stops drafting at 2 but not beyond it: the estimate is where it
+    # stops for good (past the step each row costs 0.01: 0.5 T(B) <= 0.01 B from B = 157)
+    early_step = CostCurve({1: 1.0, 2: 1.0, 3: 1.6, 200: 1.6 + 197 * 0.01})
+    assert any_stop_estimate(0.5, early_step, 400) == 158
+    assert any_stop_estimate(0.5, early_step, 100) is None
 
 
 def test_where_any_drafting_stops_follows_the_best_requests_first_tokens():
