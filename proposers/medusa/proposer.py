@@ -268,7 +268,6 @@ class MedusaProposer(Proposer):
         if self.heads.copy is not None:
             if self.memory is None:  # the first request, begin() not called
                 self.memory = self.heads.context_memory()
-                self._unstored = []
             yield from self._remember(state)
 
     def skip(self, state) -> None:
