@@ -274,12 +274,12 @@ class ContextMemory:
             return
         first_memory = memories[pieces[0][0]]
         weight = first_memory.attention.key.weight
-        ids = torch.cat([ids for *_, ids in pieces], dim=1)  # (2, all c)
+        ids = _joined([ids for *_, ids in pieces], dim=1)  # (2, all c)
         embedded = first_memory.embeddings(ids).to(weight.dtype)  # (2, all c, hidden)
         keys, values = first_memory.attention.entries(
-            torch.cat([before for _, before, _, _ in pieces]),
+            _joined([before for _, before, _, _ in pieces]),
             embedded[0],
-            torch.cat([hidden for _, _, hidden, _ in pieces]),
+            _joined([hidden for _, _, hidden, _ in pieces]),
             embedded[1],
         )
         at = 0
@@ -296,6 +296,11 @@ class ContextMemory:
         self.following = torch.cat([self.following, following])
         self.following_rows = torch.cat([self.following_rows, self._rows_for(following)])
         self.last_hidden = last_hidden
+
+
+def _joined(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``tensors`` concatenated; a lone one as it is (one request alone copies nothing)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
 @dataclass(eq=False)
