@@ -74,11 +74,17 @@ def _probed(name: str) -> bool:
     return PROBES[name]()
 
 
-def forced_absent() -> set[str]:
-    """Capabilities ``SPECDEC_CPU_ABSENT`` switches off in this process."""
-    value = os.environ.get(ABSENT_ENV, "").strip()
+def forced_absent() -> frozenset[str]:
+    """Capabilities ``SPECDEC_CPU_ABSENT`` switches off in this process. Read on every call
+    (tests set it at run time), parsed once per value: every routed linear product asks."""
+    return _absent(os.environ.get(ABSENT_ENV, ""))
+
+
+@functools.cache
+def _absent(value: str) -> frozenset[str]:
+    value = value.strip()
     if value == "all":
-        return set(PROBES)
+        return frozenset(PROBES)
     names = {name.strip() for name in value.split(",") if name.strip()}
     unknown = names - set(PROBES)
     if unknown:
@@ -86,7 +92,7 @@ def forced_absent() -> set[str]:
             f"{ABSENT_ENV}={value!r}: unknown capability {sorted(unknown)[0]!r}; "
             f"use 'all' or names from {sorted(PROBES)}"
         )
-    return names
+    return frozenset(names)
 
 
 def has(name: str) -> bool:
