@@ -21,7 +21,8 @@ the other requests put in it and the tokens they are expected to yield, so a dra
 sized by what it adds to the whole pass's tokens per second; then the pass keeps the nodes
 that pay over every request's (:meth:`SizingPolicy.joint`). Drafts shrink, then stop, as
 the batch makes the pass dearer; and where drafting itself (a model's forward passes for
-every request) costs more than the nodes left give, the pipeline's batch gate
+every request) costs more than the nodes left give, or, once no request waits to join, where
+drafting does not bring the batch's end closer, the pipeline's batch gate
 (:mod:`specdec.decoders.sizing.batch_gate`) keeps the round plain before anyone drafts.
 """
 
@@ -35,6 +36,7 @@ from specdec.decoders.engine.decoding import Decoding, PlannedRound
 from specdec.decoders.engine.drafting import DraftClock, draft_together
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.models.session import ModelSession
+from specdec.decoders.sizing.batch_gate import Outlook
 
 
 @dataclass
@@ -127,7 +129,7 @@ def decode_batch(
             rotation = (rotation + 1) % len(active)  # who plans first (and gets the widest room) rotates
             active = active[rotation:] + active[:rotation]
             round_start = time.perf_counter()
-            drafting = gate is None or gate.drafts(len(active))  # type: ignore[attr-defined]
+            drafting = gate is None or gate.drafts(len(active), _outlook(active, waiting == count))  # type: ignore[attr-defined]
             planned = _plan(active, target, sizing, drafting, together)
             tock = time.perf_counter()
             logits = target.packed_forward(
@@ -205,6 +207,14 @@ def _draft_together(active: list[_Slot]) -> list[tuple[bool, object, float]]:
         for decoding in decodings:
             decoding.state.clock = time.perf_counter  # type: ignore[union-attr]
     return [(drafted, draft, clock.seconds) for (drafted, draft), clock in zip(results, clocks)]
+
+
+def _outlook(active: list[_Slot], draining: bool) -> list[Outlook] | None:
+    """Each request's outlook where the batch is draining (none waits to join), else None."""
+    if not draining:
+        return None
+    decodings = [slot.decoding for slot in active]
+    return [Outlook(d.remaining, d.stats.drafted_rounds, d.stats.drafted_round_tokens) for d in decodings]  # type: ignore[union-attr]
 
 
 def _record_pass(target, active: list[_Slot], rows: int, seconds: float) -> None:

@@ -210,6 +210,11 @@ class Decoding:
         """The share of ``max_new_tokens`` generated so far (1.0 once done)."""
         return 1.0 if self.done else len(self.tokens) / self.stop.max_new_tokens
 
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still emit: what ``max_new_tokens`` leaves (0 once done)."""
+        return 0 if self.done else self.stop.max_new_tokens - len(self.tokens)
+
     def step(self) -> None:
         """One round: draft, one target pass over the pending token and the draft,
         verify, keep the accepted path, tell the proposer."""
@@ -316,6 +321,9 @@ class Decoding:
         stats.accepted += acceptance.num_accepted
         stats.draft_sizes.append(len(draft))
         stats.emitted_per_round.append(len(new))
+        if drafting:
+            stats.drafted_rounds += 1
+            stats.drafted_round_tokens += len(new)
         if drafting and (lead := _lead_value(planned.proposed)) is not None:
             stats.lead_values.append(lead)
         stats.verify_time += verify_seconds

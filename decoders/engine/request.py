@@ -21,6 +21,8 @@ class GenerationStats:
     verify_time: float = 0.0
     wall_time: float = 0.0
     gated_rounds: int = 0  # rounds the round gate kept plain (no drafting)
+    drafted_rounds: int = 0  # rounds the proposer was asked to draft (its draft may be empty)
+    drafted_round_tokens: int = 0  # tokens those rounds emitted, bonus tokens included
     draft_sizes: list[int] = field(default_factory=list)  # per round
     emitted_per_round: list[int] = field(default_factory=list)
     # per drafted round whose proposal was valued (or empty): the estimated acceptance of its

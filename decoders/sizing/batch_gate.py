@@ -21,6 +21,18 @@ through every size below its own, each for a few rounds, and would spend them al
 exponential averages as long (of tokens and of seconds apart, so a round's rate weighs by
 its length).
 
+**A draining batch** (no request waits to join: every one has arrived and joined) ends
+with its last request, so the tokens a drafted round adds to requests that end earlier do not
+bring that end closer; they only free places nobody will take. The rates then overstate
+drafting (measured: suffix decoding at 16 requests in float32 drafted 81% of its rounds,
+whose rounds gave 17% more tokens per second, yet the batch took 62 rounds against 66 and ran
+0.96x). While draining, a round the rates would draft drafts only where it shortens the batch
+(:meth:`BatchGate.shortens`): the rounds to the batch's end, plain, are the most tokens any
+request may still emit; drafting, the most of each request's remaining tokens over its tokens
+per drafted round (its own drafted rounds, shrunk towards the batch's mean by ``min_rounds``
+rounds of it); each priced by the seconds of that kind of round. A request whose drafts are
+never accepted keeps the end where it is, and plain rounds then run.
+
 A round the gate keeps plain is a standard decoding step for every request of the batch
 (the proposer is told, :meth:`~specdec.decoders.engine.proposer.Proposer.skip`), so it is
 lossless whatever decided it. One gate per pipeline (:meth:`SizingPolicy.batch_gate`); the
@@ -29,7 +41,9 @@ bench clears it before each run, like the proposer's state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from specdec.decoders.sizing.round_gate import RoundAverages
 
@@ -42,6 +56,14 @@ class _Rate(RoundAverages):
     @property
     def rate(self) -> float:
         return self.tokens / self.cost if self.cost > 0 else 0.0
+
+
+class Outlook(NamedTuple):
+    """One request of a draining batch: what it may still emit and what drafting gave it."""
+
+    remaining: int  # tokens it may still emit (``max_new_tokens`` left)
+    drafted_rounds: int  # rounds it was asked to draft
+    drafted_tokens: int  # tokens those rounds emitted
 
 
 @dataclass
@@ -72,6 +94,7 @@ class BatchGate:
         self.sizes: dict[int, _Size] = {}
         self.drafted = 0  # rounds drafted
         self.skipped = 0  # rounds kept plain
+        self.kept_for_end = 0  # of those, rounds the rates would draft that a draining batch kept plain
 
     @staticmethod
     def size_class(requests: int) -> int:
@@ -88,8 +111,9 @@ class BatchGate:
             return None
         return DRAFTED if drafted.rate >= plain.rate * (1 - self.margin) else PLAIN
 
-    def drafts(self, requests: int) -> bool:
-        """Whether this round of a pass over ``requests`` requests drafts."""
+    def drafts(self, requests: int, draining: Sequence[Outlook] | None = None) -> bool:
+        """Whether this round of a pass over ``requests`` requests drafts. ``draining``: each
+        request's outlook where no request waits to join (None: some do)."""
         size = self.sizes.setdefault(self.size_class(requests), _Size())
         drafted, plain = size.rates[DRAFTED], size.rates[PLAIN]
         if drafted.rounds < self.min_rounds or plain.rounds < self.min_rounds:
@@ -100,6 +124,9 @@ class BatchGate:
             drafting = (first is drafted) == (first.rounds < self.min_rounds)
         else:
             drafting = self.winner(requests) == DRAFTED
+            if drafting and draining and not self.shortens(size, draining):
+                drafting = False
+                self.kept_for_end += 1
             size.since_probe += 1
             if size.since_probe >= self.explore_every:  # the other kind, measured again
                 size.since_probe = 0
@@ -109,6 +136,20 @@ class BatchGate:
         else:
             self.skipped += 1
         return drafting
+
+    def shortens(self, size: _Size, draining: Sequence[Outlook]) -> bool:
+        """Whether drafted rounds bring a draining batch's end closer than plain ones, their
+        seconds counted (see the module)."""
+        drafted, plain = size.rates[DRAFTED], size.rates[PLAIN]
+        rounds = sum(o.drafted_rounds for o in draining)
+        # a live request's round emits at least a token
+        mean = max(sum(o.drafted_tokens for o in draining) / rounds, 1.0) if rounds else 1.0
+        prior = self.min_rounds
+        plain_end = max(o.remaining for o in draining)
+        drafted_end = max(
+            o.remaining * (o.drafted_rounds + prior) / (o.drafted_tokens + prior * mean) for o in draining
+        )
+        return drafted_end * drafted.cost * (1 - self.margin) <= plain_end * plain.cost
 
     def record(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A round over ``requests`` requests: whether it drafted, the new tokens it gave
@@ -120,6 +161,7 @@ class BatchGate:
         return {
             "rounds_drafted": self.drafted,
             "rounds_skipped": self.skipped,
+            "rounds_kept_for_end": self.kept_for_end,
             "by_requests": {
                 n: {
                     kind: {"rounds": r.rounds, "tokens_per_s": round(r.rate, 2)}

@@ -244,11 +244,47 @@ def test_constrained_requests_decode_as_they_would_alone(base, drafting_pays):
 class _PlainGate:
     """A batch gate that keeps every round plain."""
 
-    def drafts(self, requests: int) -> bool:
+    def drafts(self, requests: int, draining=None) -> bool:
         return False
 
     def record(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         assert not drafted and tokens >= 1 and seconds > 0
+
+
+class _WatchingGate:
+    """A batch gate that drafts every round and keeps what each round told it."""
+
+    def __init__(self) -> None:
+        self.told: list = []
+
+    def drafts(self, requests: int, draining=None) -> bool:
+        self.told.append((requests, draining))
+        return True
+
+    def record(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_the_batch_gate_is_told_each_request_outlook_once_none_waits_to_join(base):
+    """While a request waits for a place, the gate gets no outlook; once every request has
+    joined (the batch drains), each active request's tokens left and what its drafted rounds
+    gave, as its own counters say."""
+    pipeline = base.with_components("suffix", "tree")
+    pipeline.batch_gate = gate = _WatchingGate()
+    prompts = prompts_of_many_lengths()
+    batch = pipeline.generate_batch(prompts, 16, batch_size=2)
+    told = [outlook for _, outlook in gate.told]
+    start = next(i for i, outlook in enumerate(told) if outlook is not None)
+    assert start > 0 and all(o is None for o in told[:start])  # 5 requests, 2 places: some wait
+    assert all(o is not None for o in told[start:])  # once draining, always draining
+    first = told[start]
+    assert len(first) == gate.told[start][0] and all(0 < o.remaining <= 16 for o in first)
+    assert all(o.drafted_tokens >= o.drafted_rounds for o in first)
+    assert [o.drafted_rounds > 0 for o in first].count(False) == 1  # the one that just joined
+    assert len(told[-1]) == 1 and told[-1][0].remaining >= 1  # the last request, alone
+    stats = [r.stats for r in batch.results]
+    assert all(s.drafted_rounds == s.target_passes for s in stats)  # every round drafted
+    assert sum(s.drafted_round_tokens for s in stats) == sum(sum(s.emitted_per_round) for s in stats)
 
 
 def test_rounds_the_batch_gate_keeps_plain_are_standard_decoding_steps(base):

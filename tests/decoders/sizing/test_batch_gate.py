@@ -3,7 +3,7 @@ and the plain rounds over as many requests (decoders/sizing/batch_gate.py)."""
 
 from __future__ import annotations
 
-from specdec.decoders.sizing.batch_gate import DRAFTED, PLAIN, BatchGate
+from specdec.decoders.sizing.batch_gate import DRAFTED, PLAIN, BatchGate, Outlook
 
 
 def run_rounds(gate: BatchGate, requests: int, rounds: int, rates: dict[bool, float]) -> list[bool]:
@@ -50,6 +50,35 @@ def test_sizes_of_one_class_learn_together_and_a_larger_class_measures_plain_fir
     assert not gate.drafts(12)
     assert run_rounds(gate, 16, 6, {True: 30.0, False: 50.0}) == [False] * 3 + [True] * 3
     assert BatchGate.size_class(1) == 1 and BatchGate.size_class(7) == 4 and BatchGate.size_class(31) == 16
+
+
+def test_a_draining_batch_drafts_only_where_drafting_brings_its_end_closer():
+    """Drafted rounds gave more tokens per second (the rates would draft). Once no request
+    waits to join, a request whose drafts were never accepted keeps the batch's end where plain
+    rounds put it, at dearer rounds: plain rounds run (a probe drafts now and then). Where every
+    request's drafts pay, the end comes closer by more than the rounds cost: drafts run."""
+    def measured(drafted_seconds: float) -> BatchGate:
+        gate = BatchGate(explore_every=50, min_rounds=3)
+        for drafting, tokens, seconds in ((True, 36, drafted_seconds), (False, 16, 1.0)):
+            for _ in range(3):
+                gate.record(16, drafting, tokens, seconds)
+        return gate
+
+    gate = measured(1.2)  # drafted rounds: 30 tokens/s over 16 requests, plain ones 16
+    assert gate.winner(16) == DRAFTED
+    laggard = [Outlook(40, 20, 20)] + [Outlook(40, 20, 40)] * 15  # 1 token per drafted round, 2
+    assert not gate.drafts(16, laggard) and gate.kept_for_end == 1
+    assert gate.drafts(16)  # while requests wait to join, the rates decide
+    paying = [Outlook(40, 20, 40)] * 16  # every request 2 tokens per drafted round
+    assert gate.drafts(16, paying)
+    # drafted rounds twice as dear: 2 tokens per drafted round is level (kept: within the margin)
+    dear = measured(2.0)
+    assert dear.drafts(16, paying)
+    assert not dear.drafts(16, [Outlook(40, 20, 36)] * 16)  # 1.8 tokens per drafted round
+    # a request that has not drafted yet counts as the batch's mean: it keeps nothing back
+    fresh = [Outlook(40, 0, 0)] + [Outlook(30, 20, 40)] * 15
+    assert gate.drafts(16, fresh)
+    assert gate.describe()["rounds_kept_for_end"] == 1
 
 
 def test_a_pipeline_gates_its_batches_where_it_follows_its_passes(tiny_model, tiny_config, monkeypatch):
