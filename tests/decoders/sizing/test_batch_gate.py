@@ -57,6 +57,7 @@ def test_a_draining_batch_drafts_only_where_drafting_brings_its_end_closer():
     waits to join, a request whose drafts were never accepted keeps the batch's end where plain
     rounds put it, at dearer rounds: plain rounds run (a probe drafts now and then). Where every
     request's drafts pay, the end comes closer by more than the rounds cost: drafts run."""
+
     def measured(drafted_seconds: float) -> BatchGate:
         gate = BatchGate(explore_every=50, min_rounds=3)
         for drafting, tokens, seconds in ((True, 36, drafted_seconds), (False, 16, 1.0)):
