@@ -192,18 +192,25 @@ def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipe
                 runs[name].append(runners[name](ids, size, arrivals))
                 progress.update()
         rows += size_rows(size, runs, reference)
-        payload["stop_estimates"] = stop_estimates(rows, cost_model, max(sizes))
+        payload["stop_estimates"] = stop_estimates(
+            rows, cost_model, max(sizes), base.target.widest_exact_pass
+        )
         write_json(Path(bench.output), payload)
     progress.close()
     return payload
 
 
-def stop_estimate(accepted: float, drafted: float, curve, largest: int) -> int | None:
+def stop_estimate(
+    accepted: float, drafted: float, curve, largest: int, widest: int | None = None
+) -> int | None:
     """The cost model's batch size where drafting stops paying: the smallest B at which B
     requests each drafting ``drafted`` tokens and gaining ``accepted`` per pass (their figures
     alone) yield fewer tokens per second than B standard rows,
-    (1 + accepted) / T(B (1 + drafted)) <= 1 / T(B) (None: it pays up to ``largest``)."""
+    (1 + accepted) / T(B (1 + drafted)) <= 1 / T(B), or no longer fit in exact mode's widest
+    pass, B (1 + drafted) > ``widest`` (None: it pays up to ``largest``)."""
     for size in range(1, largest + 1):
+        if widest is not None and size * (1 + drafted) > widest:
+            return size
         if (1 + accepted) / curve(size * (1 + drafted)) <= 1 / curve(size):
             return size
     return None
@@ -231,7 +238,9 @@ def lead_quantiles(values: Sequence[float], points: int = 20) -> list[float]:
     return [ordered[round(i * (len(ordered) - 1) / points)] for i in range(points + 1)]
 
 
-def any_stop_estimate(leads: float | Sequence[float], curve, largest: int) -> int | None:
+def any_stop_estimate(
+    leads: float | Sequence[float], curve, largest: int, widest: int | None = None
+) -> int | None:
     """The cost model's batch size where no draft pays any more, so the sizer should draft
     nothing: the smallest B from which on, up to ``largest``, adding k rows to a pass of B,
     the k likeliest of the B requests' first draft tokens, yields fewer tokens per second for
@@ -244,12 +253,18 @@ def any_stop_estimate(leads: float | Sequence[float], curve, largest: int) -> in
     of its distribution over the rounds alone (:func:`lead_quantiles`), so a_j is the j-th
     best of B draws: the joint choice takes the best requests' tokens first, and the more
     requests, the better the best of them. A single number: every request's alike (the
-    share of rounds whose first token was accepted)."""
+    share of rounds whose first token was accepted).
+
+    ``widest``: exact mode's widest pass (:attr:`Target.widest_exact_pass`): a pass of B
+    requests has room for ``widest`` - B draft rows, none from B = ``widest`` on."""
     last_paying = 0
     for size in range(1, largest + 1):
+        room = size if widest is None else min(size, widest - size)
+        if room < 1:
+            break
         ranked = [float(leads)] * size if isinstance(leads, int | float) else ranked_leads(leads, size)
         gained = 0.0
-        for k in range(1, size + 1):
+        for k in range(1, room + 1):
             gained += ranked[k - 1]
             if (size + gained) / curve(size + k) > size / curve(size):
                 last_paying = size
@@ -257,11 +272,12 @@ def any_stop_estimate(leads: float | Sequence[float], curve, largest: int) -> in
     return last_paying + 1 if last_paying < largest else None
 
 
-def stop_estimates(rows: list[dict], curve, largest: int) -> dict:
+def stop_estimates(rows: list[dict], curve, largest: int, widest: int | None = None) -> dict:
     """Per pipeline, from its drafts at the smallest batch size run: where drafting as much
     as there stops paying (:func:`stop_estimate`) and where any drafting does
     (:func:`any_stop_estimate`, from the distribution of its first tokens' values where its
-    proposals are valued, else from the share of first tokens accepted)."""
+    proposals are valued, else from the share of first tokens accepted); in exact mode,
+    within its widest pass (``widest`` rows)."""
     estimates = {}
     for row in sorted(rows, key=lambda r: r["batch_size"]):
         name, accepted, drafted = row["pipeline"], row["accepted_per_request"], row["drafted_per_request"]
@@ -274,8 +290,9 @@ def stop_estimates(rows: list[dict], curve, largest: int) -> dict:
                 "drafted_per_request": drafted,
                 "first_accepted": first,
                 "lead_value_quantiles": leads,
-                "stops_at": stop_estimate(accepted, drafted, curve, 4 * largest),
-                "any_stops_at": any_stop_estimate(leads or first, curve, 4 * largest),
+                "stops_at": stop_estimate(accepted, drafted, curve, 4 * largest, widest),
+                "any_stops_at": any_stop_estimate(leads or first, curve, 4 * largest, widest),
+                "widest_pass": widest,
             }
     return estimates
 
@@ -335,6 +352,11 @@ def format_batch_table(payload: dict) -> str:
             f"{estimate['accepted_per_request']:.2f} accepted per request per pass at batch "
             f"{estimate.get('batch_size', 1)}) stops paying at batch size {estimate['stops_at'] or beyond}; "
             f"any draft token ({_leads_line(estimate)}) at {estimate.get('any_stops_at') or beyond}"
+            + (
+                f" (exact mode: a pass holds at most {widest} rows, so B requests leave {widest} - B for drafts)"
+                if (widest := estimate.get("widest_pass"))
+                else ""
+            )
         )
     return "\n".join(lines)
 

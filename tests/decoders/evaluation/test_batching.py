@@ -79,6 +79,8 @@ def test_the_cost_models_stop_estimate():
     assert stop_estimate(0.5, 1.0, CostCurve({1: 1.0, 512: 1.0}), 64) is None  # a flat T pays at any size
     linear = CostCurve({1: 1.0, 101: 2.0})  # each row 1% of T(1): (1.3) / T(2B) <= 1 / T(B) from B = 43
     assert stop_estimate(0.3, 1.0, linear, 64) == 43
+    # in exact mode a pass holds at most 48 rows: 24 requests drafting 1 token fill it
+    assert stop_estimate(0.5, 1.0, CostCurve({1: 1.0, 512: 1.0}), 64, widest=48) == 25
 
 
 def test_the_cost_models_estimate_of_where_any_drafting_stops():
@@ -89,6 +91,9 @@ def test_the_cost_models_estimate_of_where_any_drafting_stops():
     # a 9th row doubles the pass: even a draft token accepted 9 times in 10 stops paying at 8 rows
     assert any_stop_estimate(0.9, steep_after_8, 64) == 8
     assert any_stop_estimate(0.9, CostCurve({1: 1.0, 512: 1.0}), 64) is None
+    # exact mode's widest pass: 48 requests leave no row for a draft, however cheap rows are
+    assert any_stop_estimate(0.9, CostCurve({1: 1.0, 512: 1.0}), 64, widest=48) == 48
+    assert any_stop_estimate(0.9, steep_after_8, 64, widest=48) == 8  # the cost stops it first
     linear = CostCurve({1: 1.0, 1001: 11.0})  # each row 1% of T(1): 0.3 k (99 + B) <= B k from B = 42.4
     assert any_stop_estimate(0.3, linear, 200) == 43
     assert any_stop_estimate(0.3, linear, 40) is None
