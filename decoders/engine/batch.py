@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from specdec.decoders.engine.decoding import Decoding, PlannedRound
 from specdec.decoders.engine.drafting import DraftClock, draft_together
 from specdec.decoders.engine.proposer import Proposer
+from specdec.decoders.engine.request import Outlook
 from specdec.decoders.models.session import ModelSession
-from specdec.decoders.sizing.batch_gate import Outlook
 
 
 @dataclass

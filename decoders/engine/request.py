@@ -5,6 +5,7 @@ the decode loop (:mod:`specdec.decoders.engine.decoding`), batches and results."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -96,3 +97,12 @@ class StopConditions:
         window = max(len(s) for s in self.stop_strings) + 1  # a token is at least one character
         text = self.tokenizer.decode(tokens[-window:])  # type: ignore[union-attr]
         return any(stop in text for stop in self.stop_strings)
+
+
+class Outlook(NamedTuple):
+    """One request of a draining batch (none waits to join), as the batch gate weighs it:
+    what it may still emit and what drafting gave it."""
+
+    remaining: int  # tokens it may still emit (``max_new_tokens`` left)
+    drafted_rounds: int  # rounds it was asked to draft
+    drafted_tokens: int  # tokens those rounds emitted

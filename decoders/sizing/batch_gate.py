@@ -43,8 +43,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
+from specdec.decoders.engine.request import Outlook
 from specdec.decoders.sizing.round_gate import RoundAverages
 
 DRAFTED, PLAIN = "drafted", "plain"
@@ -56,14 +56,6 @@ class _Rate(RoundAverages):
     @property
     def rate(self) -> float:
         return self.tokens / self.cost if self.cost > 0 else 0.0
-
-
-class Outlook(NamedTuple):
-    """One request of a draining batch: what it may still emit and what drafting gave it."""
-
-    remaining: int  # tokens it may still emit (``max_new_tokens`` left)
-    drafted_rounds: int  # rounds it was asked to draft
-    drafted_tokens: int  # tokens those rounds emitted
 
 
 @dataclass
