@@ -276,7 +276,7 @@ class Decoding:
             if alone:  # the forced tokens were added unsized: the nodes that pay (a batch weighs all)
                 draft = _paying(draft, proposer)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
-        budget = self.stop.max_new_tokens - len(self.tokens)
+        budget = self.remaining
         draft = draft.truncated(budget - 1)
         if self.widest is not None:
             draft = draft.limited(self.widest - 1)
