@@ -30,10 +30,10 @@ tokens are fed again).
 
 In a batch (decoders/engine/batch.py) each request drafts in a session of its own over
 the one draft, and the passes its requests' drafts need over a chain (the committed
-tokens a session lacks and the pending token; each token of a chain draft) run as one
-packed pass of the draft per step (:class:`DraftPass`, decoders/engine/drafting.py): the
-draft's weights are read once for all of them. A tree's deeper levels (``k`` > 1) run
-per request.
+tokens a session lacks and the pending token; each token of a chain draft; each level
+of a tree) run as one packed pass of the draft per step (a
+:class:`~specdec.decoders.engine.drafting.ModelPass`): the draft's weights are read once
+for all of them.
 
 Reduced draft vocabulary (``vocab_size=N``, FR-Spec, Zhao et al. 2025): the
 draft's cost per token is dominated by its LM head over the whole vocabulary
@@ -51,7 +51,6 @@ target's mass outside the N tokens).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdec.decoders.engine.context import artifact_source
 from specdec.decoders.engine.draft import Draft, Round
-from specdec.decoders.engine.drafting import DraftSteps, Work, run_alone
+from specdec.decoders.engine.drafting import DraftSteps, ModelPass, run_alone
 from specdec.decoders.engine.files import readable_artifact
 from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
 from specdec.decoders.engine.registry import register_proposer
@@ -75,7 +74,6 @@ from specdec.decoders.models.loading import (
     resolve_dtype,
     tiny_draft_model,
 )
-from specdec.decoders.models.session import ModelSession
 from specdec.decoders.models.target import Target
 from specdec.proposers.vocabulary import ReducedVocabulary
 
@@ -212,20 +210,20 @@ class DraftModelProposer(Proposer):
 
     def drafting(self, state) -> DraftSteps:
         """The draft, as steps: each pass of the draft over a chain (the committed tokens it
-        lacks and the pending token, then each token of a chain draft) is a :class:`DraftPass`,
-        which a batch runs for all its requests as one packed pass. A tree's deeper levels
-        run per request."""
+        lacks and the pending token, then each token of a chain draft or each level of a tree)
+        is a :class:`ModelPass`, which a batch runs for all its requests as one packed pass."""
         tokens = state.tokens
         self._sync()
         self._draft_start = len(tokens)
         self._fed_parents = []
-        logits = yield DraftPass(self.draft, self.session, tokens[len(self.session) :])  # (vocab,)
+        fed = tokens[len(self.session) :]
+        logits = (yield ModelPass(self.session, fed, last_only=True))[-1]  # (vocab,)
         if not self.config.tree:
             draft = yield from self._draft_chain(logits, state)
             fed = len(self._fed_parents)  # the chain's first nodes, each fed for the next
             self._fed_of_node = [node if node < fed else None for node in range(len(draft))]
             return draft
-        return self._draft_tree(logits, state)
+        return (yield from self._draft_tree(logits, state))
 
     def _draft_chain(self, logits: torch.Tensor, state) -> DraftSteps:
         """k tokens, each fed back for the next; sampled from the processed draft
@@ -247,22 +245,22 @@ class DraftModelProposer(Proposer):
             draft_tokens.append(token)
             if i + 1 < self.config.k:
                 self._fed_parents.append(i - 1)
-                logits = yield DraftPass(self.draft, self.session, [token])
+                logits = (yield ModelPass(self.session, [token], last_only=True))[-1]
         draft_probs = torch.stack(draft_rows) if draft_rows else None  # (k, vocab)
         return Draft.chain(draft_tokens, draft_probs)
 
-    def _draft_tree(self, root_logits: torch.Tensor, state) -> Draft:
+    def _draft_tree(self, root_logits: torch.Tensor, state) -> DraftSteps:
         """A dynamic tree (deterministic): each level's frontier is fed to the draft as
-        one more level of a tree in its cache."""
+        one more level of a tree in its cache (a drafting step)."""
         tree_start = len(self.session)  # the tree's entries follow the pending token
         offset_of: dict[int, int] = {-1: -1}  # candidate node -> offset of its fed entry
 
-        def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
+        def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> DraftSteps:
             for node in frontier:
                 offset_of[node] = len(self._fed_parents)
                 self._fed_parents.append(offset_of[parents[node]])
             tokens = self._token_ids([rows[node] for node in frontier])
-            return self.session.forward(tokens, self._fed_parents, tree_start=tree_start)  # (f, n)
+            return (yield ModelPass(self.session, tokens, list(self._fed_parents), tree_start))  # (f, n)
 
         token_ids = None if self.vocabulary is None else self.vocabulary.token_ids
         allowed = None
@@ -271,7 +269,9 @@ class DraftModelProposer(Proposer):
             def allowed(path: list[int]) -> torch.Tensor:
                 return constrained_rows(state, self._token_ids(path), token_ids)
 
-        tree = self.tree.build(root_logits, expand, "draft model's forward pass", allowed)
+        tree = yield from self.tree.build_steps(
+            root_logits, expand, "draft model's forward pass", allowed, state.clock
+        )
         self._fed_of_node = [offset_of.get(candidate) for candidate in tree.origin[1]]
         return Draft(self._token_ids(tree.tokens), tree.parents, values=tree.values)  # rows -> token ids
 
@@ -288,38 +288,6 @@ class DraftModelProposer(Proposer):
         if self.config.tree:
             facts.update(self.tree.describe())
         return facts
-
-
-@dataclass
-class DraftPass(Work):
-    """A pass of the draft model over a chain of ``tokens`` appended to one request's
-    ``session``; its result is the last token's logits, (vocab,). A batch's passes over
-    the same draft run as one packed pass (:meth:`Target.packed_forward`)."""
-
-    draft: Target
-    session: ModelSession
-    tokens: list[int]
-
-    @property
-    def rows(self) -> int:  # type: ignore[override]
-        return len(self.tokens)
-
-    def key(self) -> tuple[str, int]:
-        return ("draft model pass", id(self.draft))
-
-    @classmethod
-    def run_together(cls, works: Sequence[DraftPass]) -> list[torch.Tensor]:
-        if len(works) == 1:
-            work = works[0]
-            return [work.session.forward(work.tokens, last_only=True)[-1]]
-        with torch.inference_mode():
-            logits = works[0].draft.packed_forward(
-                [work.session for work in works],
-                [work.tokens for work in works],
-                [None] * len(works),
-                last_only=True,
-            )
-        return [row[-1] for row in logits]
 
 
 def load_draft_sharing_target(directory: Path, target: torch.nn.Module, cfg: ModelConfig) -> Target:

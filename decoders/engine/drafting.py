@@ -11,6 +11,9 @@ model call it needs as a :class:`Work`, is sent the call's result, and returns i
   and the works they wait on with the same :meth:`Work.key` (the same heads, the same
   draft model) run as one call (:meth:`Work.run_together`); each request is sent its part.
 
+A pass of a model over one request's session (a draft model's, EAGLE's draft layer) is a
+:class:`ModelPass`: a batch's passes over one model run as one packed pass of it.
+
 A request's draft is the one it drafts alone, up to the rounding of a wider product.
 
 A request's drafting seconds (:class:`DraftClock`, which the proposer reads as
@@ -22,7 +25,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+from specdec.decoders.models.session import ModelSession
 
 # a proposal in steps: yields the model calls it needs, is sent their results, returns its draft
 DraftSteps = Generator["Work", Any, Any]
@@ -42,6 +50,49 @@ class Work:
     def run_together(cls, works: Sequence[Work]) -> list[Any]:
         """Every work's result, in order, from as few calls as can serve them."""
         raise NotImplementedError
+
+
+@dataclass(eq=False)
+class ModelPass(Work):
+    """A pass of a model over one request's ``session``, :meth:`ModelSession.forward`'s
+    arguments; its result is what that returns, the new rows' logits. The passes of a
+    batch's requests over one model (their sessions' :class:`Target`) run as one packed pass
+    (:meth:`Target.packed_forward`): its weights are read once for all of them."""
+
+    session: ModelSession
+    tokens: list[int]
+    parents: list[int] | None = None
+    tree_start: int | None = None
+    last_only: bool = False
+    inputs_embeds: torch.Tensor | None = None  # (len(tokens), hidden) instead of the tokens' embeddings
+
+    @property
+    def rows(self) -> int:  # type: ignore[override]
+        return max(len(self.tokens), 1)
+
+    def key(self) -> Hashable:
+        return ("model pass", id(self.session.model), self.last_only, self.inputs_embeds is None)
+
+    @classmethod
+    def run_together(cls, works: Sequence[ModelPass]) -> list[torch.Tensor]:
+        target = works[0].session.target
+        with torch.inference_mode():
+            if len(works) == 1 or target is None:  # a session built without its Target runs alone
+                return [
+                    work.session.forward(
+                        work.tokens, work.parents, work.tree_start, work.last_only, work.inputs_embeds
+                    )
+                    for work in works
+                ]
+            embeds = None if works[0].inputs_embeds is None else [work.inputs_embeds for work in works]
+            return target.packed_forward(
+                [work.session for work in works],
+                [work.tokens for work in works],
+                [work.parents for work in works],
+                works[0].last_only,
+                inputs_embeds=embeds,
+                tree_starts=[work.tree_start for work in works],
+            )
 
 
 def run_alone(steps: DraftSteps) -> Any:

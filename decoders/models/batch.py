@@ -114,31 +114,51 @@ def packed_forward(
     layout: BatchLayout,
     inner: Callable,
     last_only: bool = False,
+    inputs_embeds: Sequence[torch.Tensor] | None = None,
+    tree_starts: Sequence[int | None] | None = None,
 ) -> list[torch.Tensor]:
     """Append each request's block to its session in one pass of ``decoder`` (run with the
     packed attention, which calls ``inner`` per request) and return each block's logits,
     (len(block), vocab), as :meth:`ModelSession.forward` would (``last_only``: its last
-    token's, (1, vocab))."""
+    token's, (1, vocab)). ``inputs_embeds``: each block's decoder inputs, (len(block),
+    hidden), instead of its tokens' embeddings (a feature-level drafter's). ``tree_starts``:
+    for a tree grown over several passes, where it begins in its session's cache, its
+    ``parents`` then covering the entries cached since, as in :meth:`ModelSession.forward`."""
     first = sessions[0]
     spans, positions, masks = [], [], []
     row = 0
-    for session, block, tree in zip(sessions, blocks, parents):
+    for i, (session, block, tree) in enumerate(zip(sessions, blocks, parents)):
         start = len(session)
-        tree = tree if tree is not None else [i - 1 for i in range(len(block))]
-        positions.append(torch.tensor(tree_depths(tree), dtype=torch.long) + start)
-        masks.append(tree_attention_masks(tree, start, session.patterns, first.dtype, first.device))
+        tree_start = (
+            start if tree is None or tree_starts is None or tree_starts[i] is None else tree_starts[i]
+        )
+        tree = tree if tree is not None else [j - 1 for j in range(len(block))]
+        if len(tree) != start - tree_start + len(block):
+            raise ValueError(
+                f"parents has {len(tree)} entries but the tree holds {start - tree_start} cached and "
+                f"{len(block)} new tokens; give one parent per tree entry since tree_start."
+            )
+        new = start - tree_start  # the tree's entries cached before this pass
+        positions.append(torch.tensor(tree_depths(tree)[new:], dtype=torch.long) + tree_start)
+        tree_masks = tree_attention_masks(tree, tree_start, session.patterns, first.dtype, first.device)
+        masks.append({kind: mask[:, :, new:] for kind, mask in tree_masks.items()})
         spans.append((row, row + len(block)))
         row += len(block)
     layout.clear()
     layout.spans, layout.masks, layout.inner = spans, masks, inner
     layout.layer_types = [pattern.layer_type for pattern in first.patterns]
-    ids = torch.tensor(
-        [[token for block in blocks for token in block]], dtype=torch.long, device=first.device
-    )
+    if inputs_embeds is None:
+        inputs = {
+            "input_ids": torch.tensor(
+                [[token for block in blocks for token in block]], dtype=torch.long, device=first.device
+            )
+        }
+    else:
+        inputs = {"inputs_embeds": torch.cat(list(inputs_embeds))[None]}  # (1, rows, hidden)
     placeholder = torch.zeros(1, 1, row, 1, dtype=first.dtype, device=first.device)  # 4-D: no mask is built
     try:
         outputs = decoder(
-            input_ids=ids,
+            **inputs,
             position_ids=torch.cat(positions).to(first.device)[None],
             attention_mask=placeholder,
             cache=PackedCache([s.cache for s in sessions], spans, layout),

@@ -162,10 +162,13 @@ class Target:
         blocks: list[list[int]],
         parents: list[list[int] | None],
         last_only: bool = False,
+        inputs_embeds: list[torch.Tensor] | None = None,
+        tree_starts: list[int | None] | None = None,
     ) -> list[torch.Tensor]:
         """One pass over several requests: each block (a chain, or a tree by ``parents`` as in
-        :meth:`ModelSession.forward`) appended to its own session; each block's logits
-        (``last_only``: its last token's).
+        :meth:`ModelSession.forward`, grown since ``tree_starts``) appended to its own session;
+        each block's logits (``last_only``: its last token's); ``inputs_embeds`` as in
+        :func:`~specdec.decoders.models.batch.packed_forward`.
         Attention runs per request with the function a request alone would run."""
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -185,7 +188,15 @@ class Target:
             each._attn_implementation = name
         try:
             return packed_forward(
-                self.decoder(), sessions, blocks, parents, self._batch_layout, inner, last_only
+                self.decoder(),
+                sessions,
+                blocks,
+                parents,
+                self._batch_layout,
+                inner,
+                last_only,
+                inputs_embeds,
+                tree_starts,
             )
         finally:
             for each in configs:

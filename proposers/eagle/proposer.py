@@ -2,9 +2,17 @@
 
 Each round first syncs the drafter's KV cache with the positions the target
 committed (fed with the target's features), then drafts from the root it gives.
+A round not drafted (:meth:`EagleProposer.skip`) keeps its positions' features for the
+next draft's sync, which feeds them with its own in one pass.
 A drafter with a pointer (``drafter.copy_width``) also stores those positions in
 the request's :class:`ContextMemory` and drafts over its rows (the draft vocabulary,
 then the context's other tokens) from the mixture with the pointer.
+
+Drafting runs as steps (:mod:`specdec.decoders.engine.drafting`): every pass of the draft
+layer (the sync, each token of a chain, each level of a tree) is a
+:class:`~specdec.decoders.engine.drafting.ModelPass` over the request's session of the
+drafter (a :class:`Target` of its own), and the pointer's stores are
+:class:`MemoryStore` steps, so a batch runs each step for all its requests as one call.
 """
 
 from __future__ import annotations
@@ -17,12 +25,13 @@ import torch
 
 from specdec.decoders.engine.context import artifact_source
 from specdec.decoders.engine.draft import Draft, Round
+from specdec.decoders.engine.drafting import DraftSteps, ModelPass, run_alone
 from specdec.decoders.engine.files import readable_artifact
 from specdec.decoders.engine.proposer import Proposer, constrained_rows, draft_token
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite
-from specdec.decoders.models.session import ModelSession
-from specdec.proposers.copy_attention import ContextMemory, drafting_log_probs
+from specdec.decoders.models.target import Target
+from specdec.proposers.copy_attention import ContextMemory, MemoryStore, drafting_log_probs
 from specdec.proposers.eagle.artifact import CONFIG_FILE, load_artifact
 from specdec.proposers.eagle.drafter import check_llama_style, target_features
 
@@ -76,6 +85,7 @@ class EagleProposer(Proposer):
         with readable_artifact(directory, context.train_command(self.artifact, config.path)):
             artifact = load_artifact(directory, context.target.model)
         self.drafter = artifact.drafter
+        self.draft = Target(self.drafter)  # its passes: alone, or packed over a batch's requests
         if context.target.narrow:  # drafting passes are narrow passes too
             context.target.route(self.drafter, exact=False)
         self.meta = artifact.meta
@@ -83,7 +93,7 @@ class EagleProposer(Proposer):
         self.num_target_layers = context.target.num_layers
         self.layers = self.drafter.feature_layers
         self.tap = context.target.tap([i - 1 for i in self.layers if i < self.num_target_layers])
-        self.session = ModelSession(self.drafter)
+        self.session = self.draft.session()
         self.token_ids = self.drafter.vocabulary.token_ids.to(self.drafter.device)  # (n,) row -> token id
         self.dynamic = (
             context.sizing.dynamic_tree(config.tree_width, config.k, config.tree_budget)
@@ -92,48 +102,63 @@ class EagleProposer(Proposer):
         )
         self.policy = context.sizing.chain(config.k) if config.adaptive and not config.tree else None
         self._fed = 0  # committed positions in the draft's cache (fed with the target's features)
+        self._unfed: list[torch.Tensor] = []  # features of the rounds not drafted since, (c, F) each
         self.memory: ContextMemory | None = None  # a drafter with a pointer: the request's context
 
     def begin(self, state) -> None:
         self.session.reset()
         self._fed = 0
+        self._unfed = []
         self.memory = None if self.drafter.copy is None else self.drafter.context_memory()
 
-    @torch.inference_mode()
     def propose(self, state) -> Draft:
-        root_logits, root_state = self._sync(state)
+        return run_alone(self.drafting(state))
+
+    @torch.inference_mode()
+    def drafting(self, state) -> DraftSteps:
+        """The draft, as steps: the sync, then the chain's or the tree's passes of the draft
+        layer, each a :class:`ModelPass` a batch's requests share."""
+        root_logits, root_state = yield from self._sync(state)
         if self.dynamic is not None:
-            return self._draft_tree(root_logits, root_state, state)
-        return self._draft_chain(root_logits, root_state, state)
+            return (yield from self._draft_tree(root_logits, root_state, state))
+        return (yield from self._draft_chain(root_logits, root_state, state))
 
     @torch.inference_mode()
     def skip(self, state) -> None:
-        """Feed the committed positions' features, as every round must."""
-        self._sync(state)
+        """A round not drafted: its committed positions' features (read now, from the pass
+        that committed them) wait for the next draft's sync, which feeds them with its own
+        in one pass (a batch the gate keeps plain runs no pass of the drafter)."""
+        self._unfed.append(self._committed_features(state))
 
-    def _sync(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+    def _committed_features(self, state) -> torch.Tensor:
+        """(c, F) the target's features at the positions its last pass committed."""
+        return target_features(
+            self.layers, self.num_target_layers, state.hidden, self.tap, state.committed_rows
+        )
+
+    def _sync(self, state) -> DraftSteps:
         """Drop last round's drafted entries, feed the positions the target committed
         since (their features and the tokens after them); -> the root logits (n,) (or,
         with a pointer, log-probabilities over the memory's rows) and the draft's state
         (hidden,) at the last committed position."""
+        pieces, self._unfed = self._unfed + [self._committed_features(state)], []
+        features = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (c, F)
         committed = len(state.tokens) - 1  # positions before the pending token
-        rows = state.committed_rows
-        count = len(state.hidden) if rows is None else len(rows)
-        start = committed - count
+        start = committed - len(features)
         if start != self._fed:
             raise RuntimeError(
-                f"the EAGLE draft cache holds {self._fed} positions and the last pass committed {count}, but "
-                f"the request has {committed}: call begin() at each request and propose() every round"
+                f"the EAGLE draft cache holds {self._fed} positions and the passes since committed "
+                f"{len(features)}, but the request has {committed}: call begin() at each request and "
+                "propose() or skip() every round"
             )
         self.session.truncate(self._fed)
-        features = target_features(
-            self.layers, self.num_target_layers, state.hidden, self.tap, rows
-        )  # (c, F)
         following = state.tokens[start + 1 : committed + 1]
         fused = self.drafter.fuse(features.to(self.drafter.dtype))  # (c, hidden)
         next_tokens = torch.tensor(following, device=self.drafter.device)
         inputs = self.drafter.inputs(fused, next_tokens)  # (c, hidden)
-        logits = self.session.forward(following, inputs_embeds=inputs, last_only=True)[-1:]  # (1, n)
+        logits = (yield ModelPass(self.session, following, last_only=True, inputs_embeds=inputs))[
+            -1:
+        ]  # (1, n)
         self._fed = committed
         if self.memory is not None:
             if len(self.memory) != start:
@@ -141,19 +166,19 @@ class EagleProposer(Proposer):
                     f"the EAGLE pointer's memory holds {len(self.memory)} positions, the draft cache {start}"
                 )
             hidden = fused.shape[-1]
-            self.memory.extend(features[:, -hidden:], state.tokens[start:committed], following)
+            yield MemoryStore(self.memory, features[:, -hidden:], state.tokens[start:committed], following)
             logits = self._mixed(0, fused[-1:], next_tokens[-1:], logits)
         return logits[0], self.session.hidden[-1]
 
     def _step(
         self, states: torch.Tensor, tokens: list[int], depth: int, parents=None, tree_start=None
-    ) -> torch.Tensor:
+    ) -> DraftSteps:
         """Feed drafted ``tokens`` (at ``depth``, the root's children being depth 0) after
         their parents' states (f, hidden) -> (f, n) logits (with a pointer: (f, rows)
         log-probabilities)."""
         ids = torch.tensor(tokens, device=self.drafter.device)
         inputs = self.drafter.inputs(states, ids)
-        logits = self.session.forward(tokens, parents, tree_start=tree_start, inputs_embeds=inputs)
+        logits = yield ModelPass(self.session, tokens, parents, tree_start, inputs_embeds=inputs)
         return logits if self.memory is None else self._mixed(depth, states, ids, logits)
 
     def _mixed(
@@ -166,7 +191,7 @@ class EagleProposer(Proposer):
             self.drafter.copy, slot, states, self.drafter.embed(tokens), logits, self.memory
         )
 
-    def _draft_chain(self, logits: torch.Tensor, previous: torch.Tensor, state) -> Draft:
+    def _draft_chain(self, logits: torch.Tensor, previous: torch.Tensor, state) -> DraftSteps:
         length = self.config.k
         if self.policy is not None:  # the cut depends on q only: sampling stays lossless
             key = self.context.sizing.confidence(float(torch.softmax(logits.float(), -1).max()))
@@ -187,25 +212,25 @@ class EagleProposer(Proposer):
             if probs is not None:
                 rows.append(self._full_row(probs))
             if i + 1 < length:
-                logits = self._step(previous[None], tokens[-1:], i + 1)[-1]
+                logits = (yield from self._step(previous[None], tokens[-1:], i + 1))[-1]
                 previous = self.session.hidden[-1]
         return Draft.chain(tokens, torch.stack(rows) if rows else None)
 
-    def _draft_tree(self, root_logits: torch.Tensor, root_state: torch.Tensor, state) -> Draft:
+    def _draft_tree(self, root_logits: torch.Tensor, root_state: torch.Tensor, state) -> DraftSteps:
         """A dynamic tree: each level's frontier is fed as one more level of a tree in
-        the draft's cache, after its parents' states."""
+        the draft's cache, after its parents' states (a drafting step)."""
         tree_start = len(self.session)
         offset_of: dict[int, int] = {-1: -1}  # candidate node -> offset of its fed entry
         state_of: dict[int, torch.Tensor] = {-1: root_state}  # node -> the draft's state there
         fed_parents: list[int] = []
 
-        def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> torch.Tensor:
+        def expand(frontier: list[int], rows: list[int], parents: list[int], depth: int) -> DraftSteps:
             for node in frontier:
                 offset_of[node] = len(fed_parents)
                 fed_parents.append(offset_of[parents[node]])
             states = torch.stack([state_of[parents[node]] for node in frontier])  # (f, hidden)
             tokens = self._ids([rows[node] for node in frontier])
-            logits = self._step(states, tokens, depth + 1, fed_parents, tree_start)  # (f, n)
+            logits = yield from self._step(states, tokens, depth + 1, list(fed_parents), tree_start)  # (f, n)
             for i, node in enumerate(frontier):
                 state_of[node] = self.session.hidden[i]
             return logits
@@ -217,7 +242,9 @@ class EagleProposer(Proposer):
             def allowed(path: list[int]) -> torch.Tensor:
                 return constrained_rows(state, self._ids(path) if path else [], row_ids)
 
-        draft = self.dynamic.build(root_logits, expand, "EAGLE drafter", allowed)
+        draft = yield from self.dynamic.build_steps(
+            root_logits, expand, "EAGLE drafter", allowed, state.clock
+        )
         return Draft(self._ids(draft.tokens), draft.parents, values=draft.values)
 
     def _ids(self, rows: list[int]) -> list[int]:

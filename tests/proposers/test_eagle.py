@@ -164,6 +164,42 @@ def test_sampling_keeps_the_targets_distribution(drafting_pays, base, proposer, 
     assert_first_two_tokens_follow_the_target(base, pipeline, prompt, sampling, 300, "the drafter's tokens")
 
 
+@pytest.mark.parametrize(
+    "proposer",
+    [{"name": "eagle", "adaptive": False, "k": 3}, {"name": "eagle", "tree": True, "k": 3, "tree_budget": 6}],
+    ids=["chain", "tree"],
+)
+def test_a_batch_runs_each_pass_of_the_drafter_once_for_every_request(
+    drafting_pays, base, proposer, monkeypatch
+):
+    """In a batch, each request drafts in a session of its own over the drafter, and every
+    pass of its draft layer (the sync of the committed positions, a chain's tokens, a tree's
+    levels) runs as one packed pass over the requests that ask it; alone, each is a call of
+    its own. Every request decodes as it would alone (float64)."""
+    from specdec.decoders.engine.drafting import ModelPass
+
+    joined: list[tuple[int, bool]] = []  # (requests in the call, a tree level)
+    run_together = ModelPass.run_together.__func__
+
+    def recording(cls, works):
+        assert all(work.inputs_embeds is not None for work in works)  # the drafter reads features
+        joined.append((len(works), works[0].parents is not None))
+        return run_together(cls, works)
+
+    monkeypatch.setattr(ModelPass, "run_together", classmethod(recording))
+    pipeline = base.with_components(proposer, "tree" if proposer.get("tree") else "greedy")
+    prompts = [prompt[: 6 + 11 * i] for i, prompt in enumerate(random_prompts(4, seed=13))]
+    alone = [pipeline.generate(prompt, 20).tokens for prompt in prompts]
+    assert joined and {size for size, _ in joined} == {1}
+    joined.clear()
+    batch = pipeline.generate_batch(prompts, 20, batch_size=4)
+    assert [result.tokens for result in batch.results] == alone
+    assert sum(result.stats.accepted for result in batch.results) > 0
+    assert max(size for size, _ in joined) == 4
+    if proposer.get("tree"):  # a deeper level of every request's tree in one pass
+        assert max(size for size, tree in joined if tree) == 4
+
+
 def test_sampled_chains_carry_the_drafters_distribution(base):
     proposer = base.with_components({"name": "eagle", "adaptive": False}, "rejection").proposer
     sampling = SamplingConfig(temperature=1.0)

@@ -233,30 +233,33 @@ def test_reduced_vocabulary_greedy_equals_standard_greedy(distilled, tiny_model,
     assert accepted > 0 and drafted and set(drafted) <= vocabulary
 
 
-@pytest.mark.parametrize("options", [{}, {"tree": True, "k": 1, "tree_width": 3}], ids=["chain", "tree"])
+@pytest.mark.parametrize("options", [{}, {"tree": True, "k": 2, "tree_width": 3}], ids=["chain", "tree"])
 def test_a_reduced_vocabulary_draft_drafts_a_batch_in_packed_passes(
     distilled, tiny_model, tiny_config, options, monkeypatch
 ):
     """In a batch each request has a session of its own over the draft, with the head cut
-    to the reduced vocabulary as the first one's; the requests' draft passes run as one
-    packed pass per step, and every request decodes as it would alone."""
-    from specdec.proposers.draft_model import DraftPass
+    to the reduced vocabulary as the first one's; the requests' draft passes (a chain's
+    tokens, a tree's levels) run as one packed pass per step, and every request decodes as
+    it would alone."""
+    from specdec.decoders.engine.drafting import ModelPass
 
     standard = pipeline_over(tiny_model, tiny_config, distilled)
     speculative = standard.with_components(reduced_spec(**options), "tree" if options else "greedy")
     joined: list[int] = []
-    run_together = DraftPass.run_together.__func__
+    run_together = ModelPass.run_together.__func__
 
     def recording(cls, works):
-        joined.append(len(works))
+        joined.append((len(works), works[0].parents is not None))
         return run_together(cls, works)
 
-    monkeypatch.setattr(DraftPass, "run_together", classmethod(recording))
+    monkeypatch.setattr(ModelPass, "run_together", classmethod(recording))
     prompts = ["Write a haiku about rain.", "Summarize: tides follow the moon.", "List three primes."]
     batch = speculative.generate_batch(prompts, 30, batch_size=3)
     assert [r.tokens for r in batch.results] == [standard.generate(p, 30).tokens for p in prompts]
     assert sum(r.stats.accepted for r in batch.results) > 0
-    assert max(joined) == 3  # the three requests' passes in one call
+    assert max(joined)[0] == 3  # the three requests' passes in one call
+    if options:  # and a tree's deeper level: every request's frontier in one pass
+        assert max(size for size, tree in joined if tree) >= 2
 
 
 def test_reduced_vocabulary_sampling_has_standard_decodings_distribution(distilled, tiny_model, tiny_config):

@@ -17,7 +17,7 @@ from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.sampling import SamplingConfig
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.sizing.round_gate import AFTER_ACCEPT, AFTER_MISS, RoundGate
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, spy_drafts
 from tests.distribution_helpers import assert_first_two_tokens_follow_the_target
 from tests.train.test_train import train_tiny_medusa
 
@@ -246,6 +246,41 @@ def test_copy_heads_take_in_the_rounds_kept_plain(drafting_pays, tiny_model, tin
         memory = pipeline.proposer.memory
         assert memory.following.tolist() == text[1 : len(memory) + 1]
     assert accepted > 0
+
+
+def test_eagle_feeds_the_rounds_kept_plain_at_its_next_draft(drafting_pays, trained_pipeline):
+    """A round kept plain runs no pass of EAGLE's drafter: its positions' features wait and
+    the next draft feeds them with its own in one pass. The drafter's cache then holds what
+    it holds when every round is drafted: at every position both runs drafted from, the
+    chains are the same tokens (float64)."""
+    spec = {"name": "eagle", "adaptive": False, "k": 3}
+    every = trained_pipeline.with_components(spec, "greedy")
+    gated = trained_pipeline.with_components(spec, "greedy")
+    gated.gate = ScriptedGate(seed=7)
+    drafts: list[dict[int, list[int]]] = [{}, {}]
+    for seen, pipeline in zip(drafts, (every, gated)):
+        spy_drafts(
+            pipeline.proposer, lambda state, draft, seen=seen: seen.update({len(state.tokens): draft.tokens})
+        )
+    session = gated.proposer.session
+    passes = [0]
+    forward = session.forward
+
+    def counted(*args, **kwargs):
+        passes[0] += 1
+        return forward(*args, **kwargs)
+
+    session.forward = counted
+    for prompt in random_prompts(3, seed=12):
+        for seen in drafts:
+            seen.clear()
+        passes[0] = 0
+        assert gated.generate(prompt, 30).tokens == every.generate(prompt, 30).tokens
+        common = set(drafts[0]) & set(drafts[1])
+        assert len(common) >= 3 and len(drafts[1]) < len(drafts[0])
+        assert all(drafts[0][at] == drafts[1][at] for at in common)
+        assert passes[0] == 3 * len(drafts[1])  # per drafted round: the sync and 2 chain steps; none skipped
+    assert gated.gate.skipped > 0
 
 
 @pytest.mark.parametrize(
