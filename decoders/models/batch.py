@@ -22,7 +22,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdec.decoders.models.architecture import UnsupportedArchitectureError
-from specdec.decoders.models.session import ModelSession, tree_attention_masks, tree_depths
+from specdec.decoders.models.session import (
+    ModelSession,
+    check_tree_entries,
+    tree_attention_masks,
+    tree_depths,
+)
 
 
 class BatchLayout:
@@ -133,15 +138,11 @@ def packed_forward(
             start if tree is None or tree_starts is None or tree_starts[i] is None else tree_starts[i]
         )
         tree = tree if tree is not None else [j - 1 for j in range(len(block))]
-        if len(tree) != start - tree_start + len(block):
-            raise ValueError(
-                f"parents has {len(tree)} entries but the tree holds {start - tree_start} cached and "
-                f"{len(block)} new tokens; give one parent per tree entry since tree_start."
-            )
-        new = start - tree_start  # the tree's entries cached before this pass
-        positions.append(torch.tensor(tree_depths(tree)[new:], dtype=torch.long) + tree_start)
+        cached = start - tree_start  # the tree's entries cached before this pass
+        check_tree_entries(tree, cached, len(block))
+        positions.append(torch.tensor(tree_depths(tree)[cached:], dtype=torch.long) + tree_start)
         tree_masks = tree_attention_masks(tree, tree_start, session.patterns, first.dtype, first.device)
-        masks.append({kind: mask[:, :, new:] for kind, mask in tree_masks.items()})
+        masks.append({kind: mask[:, :, cached:] for kind, mask in tree_masks.items()})
         spans.append((row, row + len(block)))
         row += len(block)
     layout.clear()

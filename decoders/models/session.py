@@ -99,11 +99,8 @@ class ModelSession:
         """
         start = len(self.cached)
         tree_start = start if tree_start is None else tree_start
-        if parents is not None and len(parents) != start - tree_start + len(tokens):
-            raise ValueError(
-                f"parents has {len(parents)} entries but the tree holds {start - tree_start} cached "
-                f"and {len(tokens)} new tokens; give one parent per tree entry since tree_start."
-            )
+        if parents is not None:
+            check_tree_entries(parents, start - tree_start, len(tokens))
         kwargs: dict = {}
         if inputs_embeds is None:
             kwargs["input_ids"] = torch.tensor([tokens], dtype=torch.long, device=self.device)  # (1, q)
@@ -173,6 +170,16 @@ class ModelSession:
             block = self.cached[start:]
             self.cached[start:end] = [block[i] for i in kept]  # same length: truncate cuts both
         self.truncate(end)
+
+
+def check_tree_entries(parents: list[int], cached: int, new: int) -> None:
+    """Refuse, in one line, ``parents`` that do not give one parent per entry of a tree
+    holding ``cached`` entries and ``new`` tokens."""
+    if len(parents) != cached + new:
+        raise ValueError(
+            f"parents has {len(parents)} entries but the tree holds {cached} cached and {new} new "
+            "tokens; give one parent per tree entry since tree_start."
+        )
 
 
 def tree_depths(parents: list[int]) -> list[int]:

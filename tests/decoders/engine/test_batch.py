@@ -155,6 +155,43 @@ def test_a_packed_pass_gives_each_request_its_own_pass(dtype):
             torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
 
 
+def test_a_packed_pass_takes_input_embeddings_and_trees_grown_over_passes():
+    """A feature-level drafter's passes (EAGLE's): blocks given as input embeddings, and a
+    tree grown level by level (``tree_starts``, its parents covering the entries cached since
+    it began). Packed, each request's logits and cache are those of its own passes (float64,
+    to 1e-12); parents that do not cover the tree are refused in one line."""
+    target, _ = load_model(ModelConfig(name="tiny-random", dtype="float64", device="cpu"))
+    embed = target.input_embeddings()
+    prompts = [[5, 6, 7, 8, 9] * 8, [1, 2, 3]]
+    levels = [([3, 4], [-1, -1]), ([5, 6, 7], [-1, -1, 0, 0, 1])]  # (tokens, parents since the tree began)
+    chained = [[9, 8], [4]]
+    expected = []
+    for prompt, tail in zip(prompts, chained):
+        session = target.session()
+        session.forward(prompt, last_only=True)
+        outputs = [session.forward(tail, inputs_embeds=embed(torch.tensor(tail)) * 0.5)]
+        tree_start = len(session)
+        outputs += [session.forward(tokens, tree, tree_start) for tokens, tree in levels]
+        expected.append((outputs, session.cache.layers[0].keys.clone()))
+    sessions = [target.session() for _ in prompts]
+    for session, prompt in zip(sessions, prompts):
+        session.forward(prompt, last_only=True)
+    got = [
+        target.packed_forward(
+            sessions, chained, [None, None], inputs_embeds=[embed(torch.tensor(t)) * 0.5 for t in chained]
+        )
+    ]
+    starts = [len(session) for session in sessions]
+    for tokens, tree in levels:
+        got.append(target.packed_forward(sessions, [tokens, tokens], [tree, tree], tree_starts=starts))
+    for i, (outputs, keys) in enumerate(expected):
+        for packed, alone in zip([step[i] for step in got], outputs):
+            torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(sessions[i].cache.layers[0].keys, keys, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="parents has 2 entries but the tree holds 5 cached and 1 new"):
+        target.packed_forward(sessions, [[1], [1]], [[-1, 0], [-1, 0]], tree_starts=starts)
+
+
 def test_what_cannot_batch_says_so_in_one_line(base):
     pipeline = pipeline_or_skip(base, {"name": "early_exit", "exit_layer": 1}, "greedy")
     with pytest.raises(ValueError, match="reads the target's inner layers.*one at a time"):
