@@ -277,7 +277,10 @@ def stop_estimates(rows: list[dict], curve, largest: int, widest: int | None = N
     as there stops paying (:func:`stop_estimate`) and where any drafting does
     (:func:`any_stop_estimate`, from the distribution of its first tokens' values where its
     proposals are valued, else from the share of first tokens accepted); in exact mode,
-    within its widest pass (``widest`` rows)."""
+    within its widest pass (``widest`` rows). Sizes are searched up to 4 times ``largest``,
+    and in exact mode at least to ``widest``, where no draft row is left: the estimate is
+    then always a size."""
+    searched = 4 * largest if widest is None else max(4 * largest, widest)
     estimates = {}
     for row in sorted(rows, key=lambda r: r["batch_size"]):
         name, accepted, drafted = row["pipeline"], row["accepted_per_request"], row["drafted_per_request"]
@@ -290,9 +293,10 @@ def stop_estimates(rows: list[dict], curve, largest: int, widest: int | None = N
                 "drafted_per_request": drafted,
                 "first_accepted": first,
                 "lead_value_quantiles": leads,
-                "stops_at": stop_estimate(accepted, drafted, curve, 4 * largest, widest),
-                "any_stops_at": any_stop_estimate(leads or first, curve, 4 * largest, widest),
+                "stops_at": stop_estimate(accepted, drafted, curve, searched, widest),
+                "any_stops_at": any_stop_estimate(leads or first, curve, searched, widest),
                 "widest_pass": widest,
+                "searched_to": searched,
             }
     return estimates
 
@@ -345,13 +349,13 @@ def format_batch_table(payload: dict) -> str:
             lines.append(
                 f"A/A twin at batch {size}: {twin['speedup']:.3f}x, {verdict} ±{AA_TOLERANCE:.0%} (the noise band)"
             )
-    beyond = "beyond " + str(4 * max(payload["batch_sizes"]))
     for name, estimate in (payload.get("stop_estimates") or {}).items():
+        searched = estimate.get("searched_to", 4 * max(payload["batch_sizes"]))
         lines.append(
             f"cost model: {name} ({estimate['drafted_per_request']:.2f} drafted, "
             f"{estimate['accepted_per_request']:.2f} accepted per request per pass at batch "
-            f"{estimate.get('batch_size', 1)}) stops paying at batch size {estimate['stops_at'] or beyond}; "
-            f"any draft token ({_leads_line(estimate)}) at {estimate.get('any_stops_at') or beyond}"
+            f"{estimate.get('batch_size', 1)}) {_stops_line(estimate['stops_at'], searched)}; "
+            f"any draft token ({_leads_line(estimate)}) {_stops_line(estimate.get('any_stops_at'), searched)}"
             + (
                 f" (exact mode: a pass holds at most {widest} rows, so B requests leave {widest} - B for drafts)"
                 if (widest := estimate.get("widest_pass"))
@@ -388,6 +392,11 @@ def batch_plots(payload: dict, folder: Path) -> list[Path]:
         plt.close(figure)
         images.append(folder / name)
     return images
+
+
+def _stops_line(size: int | None, searched: int) -> str:
+    """Where an estimate says drafting stops paying, or that it did not up to ``searched``."""
+    return f"stops paying at batch size {size}" if size else f"pays at every batch size up to {searched}"
 
 
 def _leads_line(estimate: dict) -> str:

@@ -126,3 +126,38 @@ def test_where_any_drafting_stops_follows_the_best_requests_first_tokens():
     best_of_ten = ranked_leads(spread, 10)
     assert best_of_ten == sorted(best_of_ten, reverse=True) and best_of_ten[0] == pytest.approx(0.95)
     assert lead_quantiles([]) == []
+
+
+def test_estimates_from_a_small_batch_search_up_to_exact_modes_widest_pass():
+    """Sizes run up to 8 search to 32 by default; in exact mode at least to its widest pass
+    (48), where no draft row is left, so the estimate is a size there, not "beyond 32". The
+    table says where drafting stops paying, or up to which size it pays."""
+    from specdec.decoders.evaluation.batching import format_batch_table, stop_estimates
+    from specdec.decoders.models.cost import CostCurve
+    from specdec.decoders.models.machine import machine_info
+
+    flat = CostCurve({1: 1.0, 512: 1.0})
+    row = {
+        "pipeline": "suffix+tree",
+        "batch_size": 1,
+        "accepted_per_request": 0.9,
+        "drafted_per_request": 1.0,
+    }
+    row["first_accepted"] = 0.9
+    plain = stop_estimates([row], flat, 8)["suffix+tree"]
+    assert plain["stops_at"] is None and plain["any_stops_at"] is None and plain["searched_to"] == 32
+    exact = stop_estimates([row], flat, 8, widest=48)["suffix+tree"]
+    assert exact["stops_at"] == 25 and exact["any_stops_at"] == 48 and exact["searched_to"] == 48
+    payload = {"model": "tiny", "dtype": "float32", "prompts": 8, "max_new_tokens": 16, "arrivals": None}
+    payload |= {
+        "batch_sizes": [1, 8],
+        "rows": [],
+        "machine": machine_info(),
+        "stop_estimates": {"suffix+tree": plain},
+    }
+    table = format_batch_table(payload)
+    assert "stops paying" not in table and table.count("pays at every batch size up to 32") == 2
+    payload["stop_estimates"] = {"suffix+tree": exact}
+    table = format_batch_table(payload)
+    assert "suffix+tree" in table and "stops paying at batch size 25; any draft token" in table
+    assert "stops paying at batch size 48 (exact mode: a pass holds at most 48 rows" in table
