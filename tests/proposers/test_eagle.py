@@ -188,16 +188,17 @@ def test_a_batch_runs_each_pass_of_the_drafter_once_for_every_request(
 
     monkeypatch.setattr(ModelPass, "run_together", classmethod(recording))
     pipeline = base.with_components(proposer, "tree" if proposer.get("tree") else "greedy")
-    prompts = [prompt[: 6 + 11 * i] for i, prompt in enumerate(random_prompts(4, seed=13))]
-    alone = [pipeline.generate(prompt, 20).tokens for prompt in prompts]
+    # 10 requests: each one's first draft reads its prefill's features after the other 9 prefills
+    prompts = [prompt[: 6 + 5 * i] for i, prompt in enumerate(random_prompts(10, seed=13))]
+    alone = [pipeline.generate(prompt, 16).tokens for prompt in prompts]
     assert joined and {size for size, _ in joined} == {1}
     joined.clear()
-    batch = pipeline.generate_batch(prompts, 20, batch_size=4)
+    batch = pipeline.generate_batch(prompts, 16, batch_size=10)
     assert [result.tokens for result in batch.results] == alone
     assert sum(result.stats.accepted for result in batch.results) > 0
-    assert max(size for size, _ in joined) == 4
+    assert max(size for size, _ in joined) == 10
     if proposer.get("tree"):  # a deeper level of every request's tree in one pass
-        assert max(size for size, tree in joined if tree) == 4
+        assert max(size for size, tree in joined if tree) == 10
 
 
 def test_sampled_chains_carry_the_drafters_distribution(base):

@@ -123,3 +123,26 @@ def test_the_tap_gives_each_request_its_rows_of_a_packed_pass():
         torch.testing.assert_close(rows, tap.outputs(alone.hidden)[0], rtol=1e-12, atol=1e-12)
     with pytest.raises(RuntimeError, match="no layer features"):
         tap.outputs(torch.zeros(2, 64, dtype=torch.float64))
+
+
+def test_the_tap_keeps_a_pass_while_a_session_holds_its_states():
+    """A batch of 20 requests prefills one at a time before any drafts: the first request's
+    prefill features are still there after the other 19 passes; a pass whose final states
+    nothing holds (a session moved on, a session dropped) is dropped with its outputs."""
+    model = tiny_random_model(320, 64, 2, seed=3).double()
+    target = Target(model)
+    tap = target.tap([0])
+    sessions = [target.session() for _ in range(20)]
+    for i in range(20):
+        sessions[i].forward([1 + i, 2, 3])
+    first = tap.outputs(sessions[0].hidden)[0]
+    alone = target.session()
+    alone.forward([1, 2, 3])
+    torch.testing.assert_close(first, tap.outputs(alone.hidden)[0], rtol=1e-12, atol=1e-12)
+    assert len(tap) == 21
+    del alone
+    for i in range(10):
+        sessions[i].forward([4])  # each session moves on: its prefill's features go
+    assert len(tap) == 20
+    sessions = sessions[:5]  # sessions dropped
+    assert len(tap) == 5
