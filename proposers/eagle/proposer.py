@@ -156,9 +156,8 @@ class EagleProposer(Proposer):
         fused = self.drafter.fuse(features.to(self.drafter.dtype))  # (c, hidden)
         next_tokens = torch.tensor(following, device=self.drafter.device)
         inputs = self.drafter.inputs(fused, next_tokens)  # (c, hidden)
-        logits = (yield ModelPass(self.session, following, last_only=True, inputs_embeds=inputs))[
-            -1:
-        ]  # (1, n)
+        fed = ModelPass(self.session, following, last_only=True, inputs_embeds=inputs)
+        logits = (yield fed)[-1:]  # (1, n)
         self._fed = committed
         if self.memory is not None:
             if len(self.memory) != start:

@@ -332,7 +332,7 @@ def test_dynamic_tree_nodes_are_the_draft_models_top_children(tiny_model, tiny_c
         committed = list(proposer.session.cached)
         fresh = ModelSession(draft_model).forward(committed)[-1]
         torch.testing.assert_close(root_logits, fresh, rtol=0, atol=1e-10)
-        tree = original(root_logits, state)
+        tree = yield from original(root_logits, state)  # drafting steps (decoders/engine/drafting.py)
         seen_trees.append(tree)
         assert len(tree) <= 9 and tree.draft_probs is None
         for node in range(len(tree)):
