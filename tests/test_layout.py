@@ -8,8 +8,10 @@ from the interpreter is still one for a reader), over the project's packages.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -111,20 +113,27 @@ def test_the_engine_imports_no_plugin():
 
 
 def test_importing_decoders_leaves_the_plugins_unimported():
+    """Run from another directory, so only the installed names can be imported."""
     code = (
-        "import sys, decoders\n"
-        "from decoders.engine.registry import proposer_registry, verifier_registry\n"
+        "import sys, specdec.decoders\n"
+        "from specdec.decoders.engine.registry import proposer_registry, verifier_registry\n"
         "assert 'ngram' in proposer_registry.names() and 'greedy' in verifier_registry.names()\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('proposers', 'verifiers')))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['specdec', 'proposers'], "
+        "['specdec', 'verifiers'])))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        cwd=Path(tempfile.gettempdir()),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert result.stdout.strip() == "[]"
 
 
 #: The layers, lowest first: a module imports only from its own layer or lower ones
 #: (the registries reach proposers and verifiers by module name, not by import).
+#: docs/architecture.md draws them, highest first (``test_the_architecture_doc_draws_these_layers``).
 LAYERS = (
     ("decoders.models",),
     ("decoders.engine",),
@@ -136,6 +145,21 @@ LAYERS = (
     ("train",),
 )
 
+#: Names a lower layer binds late, by module name rather than import: the only upward
+#: dependencies allowed, each with why. Any other module name in a string is an edge too.
+LATE_BINDINGS = {
+    ("specdec.decoders.engine.registry", "specdec.proposers"): "built-in proposers, imported on first lookup",
+    ("specdec.decoders.engine.registry", "specdec.verifiers"): "built-in verifiers, imported on first lookup",
+    (
+        "specdec.decoders.engine.registry",
+        "specdec.decoders.sizing",
+    ): "the default SizingPolicy (typed by engine.context.Sizing)",
+    (
+        "specdec.proposers",
+        "specdec.train",
+    ): "a drafter's trainer, declared on its proposer, imported by train",
+}
+
 
 def layer_of(module: str) -> int:
     parts = module.split(".")[1:]  # without the namespace
@@ -143,14 +167,81 @@ def layer_of(module: str) -> int:
     return next(rank for rank, names in enumerate(LAYERS) if name in names)
 
 
-def test_nothing_imports_upward():
-    upward = sorted(
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
         f"{module} -> {target}"
-        for module, targets in import_graph().items()
+        for module, targets in graph.items()
         for target in targets
         if layer_of(target) > layer_of(module)
     )
-    assert not upward, upward
+
+
+def test_nothing_imports_upward():
+    assert not upward_imports(import_graph()), upward_imports(import_graph())
+
+
+def test_a_planted_upward_import_is_found():
+    """The check can fail: the real graph plus one import of the bench by the models layer."""
+    graph = import_graph()
+    assert "specdec.decoders.models.cost" in graph and "specdec.decoders.evaluation.benchmark" in graph
+    graph["specdec.decoders.models.cost"] = graph["specdec.decoders.models.cost"] | {
+        "specdec.decoders.evaluation.benchmark"
+    }
+    assert upward_imports(graph) == ["specdec.decoders.models.cost -> specdec.decoders.evaluation.benchmark"]
+    planted = "from specdec.decoders.evaluation import benchmark\n"
+    known = set(graph)
+    found = imported(ast.parse(planted), "specdec.decoders.models.cost", False, known)
+    assert found == {"specdec.decoders.evaluation.benchmark"}
+
+
+def module_names_in_strings(tree: ast.AST) -> set[str]:
+    """``"specdec.x.y"`` or ``"specdec.x.y:Class"`` string constants: imports made at run time."""
+    return {
+        node.value.split(":")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and re.fullmatch(r"specdec(\.\w+)+(:\w+)?", node.value)
+    }
+
+
+def test_late_bindings_are_the_declared_ones():
+    """A module named in a string is imported all the same: each such upward edge must be one
+    of ``LATE_BINDINGS`` (the registries' built-ins and the default sizing policy)."""
+    modules = project_modules()
+    found = set()
+    for module, path in modules.items():
+        for name in module_names_in_strings(ast.parse(path.read_text())):
+            target = next((m for m in (name, name.rsplit(".", 1)[0]) if m in modules), None)
+            if target is None or layer_of(target) <= layer_of(module):
+                continue
+            declared = [
+                key for key in LATE_BINDINGS if module.startswith(key[0]) and target.startswith(key[1])
+            ]
+            found.add(declared[0] if declared else (module, target))
+    assert found == set(LATE_BINDINGS), sorted(found ^ set(LATE_BINDINGS))
+
+
+def test_the_architecture_doc_draws_these_layers():
+    """docs/architecture.md's diagram, highest layer first, names the same layers in the same
+    order as ``LAYERS``."""
+    doc = (REPO_ROOT / "docs" / "architecture.md").read_text()
+    diagram = doc.split("## The layers", 1)[1].split("```", 2)[1]
+    drawn = []
+    for line in diagram.splitlines():
+        head = line.split("   ")[0].strip()
+        if not head:
+            continue
+        names = tuple(
+            sorted(
+                "decoders" if "{" in word else word.strip("/").replace("/", ".")
+                for word in head.split()
+                if word.rstrip("/").split("/")[0] in PACKAGES
+            )
+        )
+        if names:
+            drawn.append(names)
+    assert drawn[::-1] == [tuple(sorted(layer)) for layer in LAYERS], drawn
 
 
 def test_every_import_of_the_project_names_its_installed_package():

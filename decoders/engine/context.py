@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -19,6 +19,46 @@ from specdec.decoders.models.target import Target, as_target
 SHIPPED_ARTIFACTS = Path(__file__).resolve().parents[2] / "proposers" / "shipped"
 
 
+@runtime_checkable
+class Sizing(Protocol):
+    """What the engine and proposers ask of a pipeline's sizing policy: the one place a
+    draft's size is decided. The built-in is :class:`specdec.decoders.sizing.policy.SizingPolicy`,
+    a layer above the engine, bound by name (``registry.SIZING_MODULE``); ``Pipeline(...,
+    sizing=...)`` takes any object with these methods. The sizers it hands out answer
+    ``choose(...)`` and learn from ``observe(round)`` (``decoders/sizing/``)."""
+
+    def chain(self, max_len: int, explore_every: int = ...) -> Any: ...  # a chain's length
+
+    def dynamic_tree(self, width: int, depth: int, budget: Any) -> Any: ...  # a tree grown by confidence
+
+    def static_tree(self, max_nodes: int, every: int = ...) -> Any: ...  # a fixed tree's best prefix
+
+    def ranked(self, max_nodes: int, explore_every: int | None = ...) -> Any: ...  # ranked candidates
+
+    def round_gate(self) -> Any: ...  # whether a round drafts at all (decoding.RoundGate)
+
+    def batch_gate(self) -> Any: ...  # whether a batch's round drafts at all
+
+    def pass_seconds(self, max_tokens: int) -> Any: ...  # T(1) .. T(max_tokens), non-decreasing
+
+    def beside(self, rows: int, tokens: float, requests: int = ...) -> None: ...  # the pass's other rows
+
+    def joint(
+        self, drafts: list[tuple[list[int], list[float] | None]], requests: int | None = ...
+    ) -> list[list[int]]: ...  # a batch's drafts chosen together
+
+    def pass_curve(self, requests: int = ...) -> CostCurve: ...  # T(n) of the pass drafts join
+
+    def check_budget(self, budget: Any) -> Any: ...  # a tree_budget option, checked
+
+    def confidence(self, probability: float) -> int: ...  # a chain's situation key
+
+    def node_key(self, depth: int, probability: float) -> tuple[int, int]: ...  # a node's situation key
+
+
+SIZING_METHODS = sorted(name for name in vars(Sizing) if not name.startswith("_"))
+
+
 @dataclass
 class PipelineContext:
     target: Target  # the target's passes, parts and cost: what a proposer may use of it
@@ -28,7 +68,7 @@ class PipelineContext:
     fixed_cost_curve: CostCurve | None = None  # given: used instead of the measured T(n)
     # how big a draft is: the pipeline's SizingPolicy (decoders/sizing/policy.py), whose
     # sizers proposers take (``context.sizing.chain(k)``); None: the default policy over cost_curve
-    sizing: Any = None
+    sizing: Sizing | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.target, torch.nn.Module):  # a bare module runs its passes as they are
@@ -37,6 +77,9 @@ class PipelineContext:
             self.sizing = default_sizing(  # looked up when read
                 lambda: self.cost_curve(), lambda requests: self.batch_cost_curve(requests)
             )
+        if not isinstance(self.sizing, Sizing):
+            missing = [name for name in SIZING_METHODS if not hasattr(self.sizing, name)]
+            raise TypeError(f"sizing={type(self.sizing).__name__}: not a sizing policy (lacks {missing})")
 
     @property
     def target_key(self) -> str:

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec.decoders.engine.constraint import Constraint, ConstraintConfig, GrammarVocabulary
-from specdec.decoders.engine.context import PipelineContext
+from specdec.decoders.engine.context import PipelineContext, Sizing
 from specdec.decoders.engine.decoding import Decoding, RoundGate, default_verifier
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, proposer_registry, verifier_registry
@@ -72,7 +72,7 @@ class Pipeline:
         cost_curve: CostCurve | None = None,
         round_gate: bool = False,
         constraint: ConstraintSpec | None = None,
-        sizing: Any = None,
+        sizing: Sizing | None = None,
     ) -> None:
         # a bare module runs its passes as they are; a loaded model comes as its Target
         self.target = as_target(model)
