@@ -88,6 +88,7 @@ class IncompatibleTokenizerError(ValueError):
 
 @register_proposer("draft_model")
 class DraftModelProposer(Proposer):
+    shared = frozenset({"draft", "model", "vocabulary"})  # the draft model and its vocabulary
     artifact = "draft_model"
     trainer = "specdec.train.draft_model"
     presets = (Preset("draft_model_chain", {"tree": False, "k": 4}),)

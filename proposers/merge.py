@@ -73,6 +73,8 @@ MAX_JOINED_NODES = 256  # the widest joined pass the joint budget considers
 
 @register_proposer("merge")
 class MergeProposer(Proposer):
+    per_request = frozenset({"_drafts"})  # the members' drafts of the round
+
     @dataclass
     class Config:
         # member proposers: names or {name: ..., options...}, as for `proposer`

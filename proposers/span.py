@@ -39,6 +39,8 @@ TAIL_TOKENS = 16  # the output's last tokens decoded to find the tail's text
 
 @register_proposer("span")
 class SpanProposer(Proposer):
+    shared = frozenset({"tokenizer"})
+
     @dataclass
     class Config:
         k: int = 8  # tokens of the copied span drafted

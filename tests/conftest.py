@@ -73,9 +73,14 @@ def drafting_pays(monkeypatch, tmp_path):
     monkeypatch.setenv(COST_CURVE_ENV, str(curve_file))
 
 
+#: where the tiny models of the losslessness matrices run: cpu, or cuda for `make gpu-check`
+#: (scripts/gpu_check.sh), which runs those matrices with the models on the GPU
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
 def tiny_config() -> ModelConfig:
-    return ModelConfig(name="tiny-random", dtype="float64", device="cpu")
+    return ModelConfig(name="tiny-random", dtype="float64", device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -128,27 +128,55 @@ class Proposer:
             )
         return None
 
+    #: Attributes every request of a batch shares, by name: declared, never guessed. Each
+    #: class adds its own (its drafter's weights, a memory of earlier requests, a tap on the
+    #: target); :meth:`for_request` gives every other attribute to each request on its own.
+    shared: ClassVar[frozenset[str]] = frozenset({"config", "context"})
+    #: Attributes that hold one request's state and that :meth:`begin` sets anew: a fork
+    #: starts without them (None) rather than with a copy of another request's.
+    per_request: ClassVar[frozenset[str]] = frozenset()
+
     def for_request(self) -> Proposer:
-        """This proposer for one more request decoded at the same time (a batch): what it
-        shares across requests (its config, its drafter's weights, its memory of earlier
-        requests, the acceptance its sizers measure) is shared; what belongs to one request
-        is its own. Attributes that know how to serve another request (``for_request``: a
-        session, a sizer) are forked once each (aliases stay aliases), lists of member
-        proposers are forked member by member; per-request state set in :meth:`begin` is
-        the copy's own from its first request."""
+        """This proposer for one more request decoded at the same time (a batch). Attributes
+        in ``shared`` (of this class and its bases) are shared; every other one is the
+        request's own: forked where it knows how (``for_request``: a session, a sizer, whose
+        measured acceptance stays shared), member proposers forked one by one, plain data
+        (numbers, strings, containers of them) copied. Anything else is refused, naming the
+        attribute, so that no state is shared by accident: declare it in ``shared`` or give
+        it a ``for_request``."""
         other = copy.copy(self)
-        forked: dict[int, Any] = {}
+        declared = [getattr(cls, "shared", ()) for cls in type(self).__mro__]
+        shared = set().union(*declared)
+        begun = set().union(*(getattr(cls, "per_request", ()) for cls in type(self).__mro__))
+        own: dict[int, Any] = {}  # aliases stay aliases: a member named again is its fork
+        for value in vars(self).values():
+            if _proposers(value):
+                forks = [member.for_request() for member in value]
+                own.update({id(member): fork for member, fork in zip(value, forks)})
+                own[id(value)] = forks
         for name, value in vars(self).items():
-            if name == "context":
+            if name in shared:
                 continue
-            fork = getattr(value, "for_request", None)
-            if callable(fork) and not isinstance(value, type):
-                if id(value) not in forked:
-                    forked[id(value)] = fork()
-                setattr(other, name, forked[id(value)])
-            elif isinstance(value, list) and value and all(isinstance(v, Proposer) for v in value):
-                setattr(other, name, [member.for_request() for member in value])
+            if name in begun:
+                setattr(other, name, None)
+                continue
+            if id(value) not in own:
+                own[id(value)] = self._own_copy(name, value)
+            setattr(other, name, own[id(value)])
         return other
+
+    def _own_copy(self, name: str, value: Any) -> Any:
+        fork = getattr(value, "for_request", None)
+        if callable(fork) and not isinstance(value, type):
+            return fork()
+        if _plain(value):
+            return copy.deepcopy(value)
+        raise TypeError(
+            f"proposer {getattr(self, 'name', type(self).__name__)!r}: attribute {name!r} "
+            f"({type(value).__name__}) is neither shared nor the request's own by declaration; "
+            f"add it to {type(self).__name__}.shared if every request of a batch uses it, to "
+            "per_request if begin() sets it anew, or give its type a for_request()"
+        )
 
     def begin(self, state: DecodeState) -> None:
         """Reset per-request state."""
@@ -208,6 +236,22 @@ class Proposer:
     def describe(self) -> dict:
         """Facts about the proposer worth recording with results."""
         return {}
+
+
+def _proposers(value: Any) -> bool:
+    """A list of member proposers (merge's)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, Proposer) for v in value)
+
+
+def _plain(value: Any) -> bool:
+    """Data a request can own a copy of: numbers, strings, None and containers of them."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
 
 
 def constrained_rows(

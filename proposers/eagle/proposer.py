@@ -38,6 +38,9 @@ from specdec.proposers.eagle.drafter import check_llama_style, target_features
 
 @register_proposer("eagle")
 class EagleProposer(Proposer):
+    # the drafter, its vocabulary, the tap on the target
+    shared = frozenset({"drafter", "draft", "tap", "token_ids", "meta"})
+    per_request = frozenset({"memory"})  # the pointer's store of the request's context
     artifact = "eagle"
     trainer = "specdec.train.eagle"
 

@@ -144,6 +144,7 @@ def _check_options(config) -> None:
 
 @register_proposer("medusa")
 class MedusaProposer(Proposer):
+    shared = frozenset({"heads"})  # the trained heads (and pointer)
     artifact = "medusa"
     trainer = "specdec.train.medusa"
 

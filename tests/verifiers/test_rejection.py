@@ -40,7 +40,7 @@ from specdec.decoders.evaluation.audit_statistics import (
 from specdec.decoders.models.loading import ModelConfig, load_model
 from specdec.verifiers.greedy import greedy_walk
 from specdec.verifiers.rejection import RejectionVerifier, point_mass, residual_distribution
-from tests.conftest import pipeline_or_skip, spy_drafts
+from tests.conftest import TEST_DEVICE, pipeline_or_skip, spy_drafts
 
 Prefix = tuple[int, ...]
 SAMPLED = SamplingConfig(temperature=1.0)
@@ -367,7 +367,7 @@ def test_temperature_zero_rejection_is_greedy_verification(sampled):
 @pytest.fixture(scope="module")
 def small_vocab() -> tuple[torch.nn.Module, ModelConfig]:
     """A float64 tiny model over 8 tokens (no tokenizer): its outputs are enumerable."""
-    config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float64", device="cpu")
+    config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float64", device=TEST_DEVICE)
     model, _ = load_model(config)
     return model, config
 
@@ -450,7 +450,7 @@ def recorded_drafts(pipeline: Pipeline, prompt: list[int], max_new_tokens: int, 
 def test_draft_model_probs_are_its_processed_distribution(tmp_path, dtype):
     """q must be the distribution the draft token was drawn from, processed with the
     target's temperature / top-k / top-p, in float32: not the raw softmax."""
-    config = ModelConfig(name="tiny-random", vocab_size=32, dtype=dtype, device="cpu")
+    config = ModelConfig(name="tiny-random", vocab_size=32, dtype=dtype, device=TEST_DEVICE)
     model, _ = load_model(config)
     sampling = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
     pipeline = Pipeline(
@@ -500,7 +500,7 @@ def test_sampled_proposers_process_q_like_the_target(small_vocab, tmp_path, prop
 
 
 def test_nan_target_logits_raise_naming_the_prefill(tmp_path):
-    config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float32", device="cpu")
+    config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float32", device=TEST_DEVICE)
     model, _ = load_model(config)
     model.model.lm_head.weight.data[3, 0] = math.nan
     pipeline = Pipeline(
@@ -526,7 +526,7 @@ def test_inf_target_logits_raise_naming_the_verification_pass(small_vocab, tmp_p
 
 
 def test_nan_draft_logits_raise_naming_the_draft_model(tmp_path):
-    config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float64", device="cpu")
+    config = ModelConfig(name="tiny-random", vocab_size=8, dtype="float64", device=TEST_DEVICE)
     model, _ = load_model(config)
     pipeline = Pipeline(
         model,
