@@ -52,6 +52,7 @@ from specdec.decoders.engine.files import readable_artifact
 from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite
+from specdec.decoders.models.architecture import decoder_of
 from specdec.decoders.models.layered import LayeredDecoder, check_layered_equivalence
 from specdec.decoders.models.session import ModelSession
 
@@ -80,7 +81,7 @@ class ExitHead(torch.nn.Module):
         head_lora_alpha: float = 16.0,
     ) -> None:
         super().__init__()
-        decoder = target.get_decoder()
+        decoder = decoder_of(target)
         hidden_size = target.config.hidden_size
         self.exit_layer = exit_layer
         self.adapter_rank = adapter_rank
@@ -131,13 +132,13 @@ class ExitHead(torch.nn.Module):
         """A trainable copy of the target's layer ``index`` (< exit_layer), used while drafting."""
         if not 0 <= index < self.exit_layer:
             raise ValueError(f"only layers below the exit layer {self.exit_layer} draft; got layer {index}")
-        layer = copy.deepcopy(target.get_decoder().layers[index])
+        layer = copy.deepcopy(decoder_of(target).layers[index])
         self.shallow_layers[str(index)] = layer
         return layer
 
     def layer_modules(self, target: torch.nn.Module) -> list[torch.nn.Module]:
         """The drafting path's layer list: the target's, with adapted copies swapped in."""
-        layers = list(target.get_decoder().layers)
+        layers = list(decoder_of(target).layers)
         for index, layer in self.shallow_layers.items():
             layers[int(index)] = layer
         return layers
@@ -177,6 +178,8 @@ def exit_artifact_dir(context, exit_layer: int) -> Path:
 
 @register_proposer("early_exit")
 class EarlyExitProposer(Proposer):
+    shared = frozenset({"exit_head", "_pass_seconds"})  # the exit head, T(n) in passes
+    per_request = frozenset({"layered", "_round"})  # the request's layer-by-layer runner, its round
     artifact = "early_exit"  # optional: without it the exit is the target's own norm and head
     trainer = "specdec.train.early_exit"
     # the shipped trained exit of the default target (30 layers): cannot pay there (0.98x)
@@ -309,7 +312,7 @@ class EarlyExitProposer(Proposer):
 
     @staticmethod
     def _weights_share(target: torch.nn.Module, exit_layer: int) -> float:
-        layers = target.get_decoder().layers
+        layers = decoder_of(target).layers
         head = target.get_output_embeddings().weight.numel()
         size = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         return (sum(size[:exit_layer]) + head) / (sum(size) + head)

@@ -4,9 +4,9 @@ ids), for the conformance matrix (tests/decoders/models/test_architectures.py).
 
 Each entry names its attention family, so the matrix covers every one: full attention
 with rotary positions, partial rotary, learned absolute positions, ALiBi, sliding
-windows on every layer, hybrids of sliding and full layers, and mixtures of experts
-(float32: their grouped expert products refuse float64). Windows are 16 positions, so
-the matrix's prompts are several windows long.
+windows on every layer, hybrids of sliding and full layers, chunked attention (Llama 4),
+and mixtures of experts (float32: their grouped expert products refuse float64). Windows
+and chunks are 16 positions, so the matrix's prompts are several windows long.
 """
 
 from __future__ import annotations
@@ -132,5 +132,23 @@ ARCHITECTURES = [
         "hybrid moe",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, **SLIDING},
         torch.float32,
+    ),
+    # Llama 4: a chunked layer with rotary positions, then a full one without them whose queries
+    # are scaled by their position; floor_scale 4 (8192 in Llama 4) so the scale changes
+    # within a draft, as it does every 8192 positions; every second layer a mixture of experts
+    Architecture(
+        "llama4_text",
+        "chunked moe",
+        {
+            "attention_chunk_size": WINDOW,
+            "no_rope_layer_interval": 2,
+            "interleave_moe_layer_step": 2,
+            "num_local_experts": 4,
+            "intermediate_size_mlp": 128,
+            "head_dim": 16,
+            "floor_scale": 4,
+            "attn_scale": 1.0,
+        },
+        label="llama4",
     ),
 ]

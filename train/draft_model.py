@@ -62,6 +62,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from specdec.decoders.models.architecture import decoder_of
 from specdec.proposers.draft_model import DraftVocabulary, save_draft_vocab
 from specdec.train import checkpoints
 from specdec.train.data import Sequence, split_heldout
@@ -278,7 +279,7 @@ def response_logits(
     responses = int(batch["response_len"].max())
     device = next(draft.parameters()).device
     input_ids = batch["input_ids"][:, :width].to(device)  # (B, L)
-    hidden = draft.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, hidden)
+    hidden = decoder_of(draft)(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, hidden)
     offsets = torch.arange(responses)  # (R,)
     valid = offsets[None, :] < batch["response_len"][:, None]  # (B, R)
     positions = (batch["response_start"][:, None] + offsets[None, :]).clamp(max=width - 1)  # (B, R)

@@ -45,6 +45,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from specdec.decoders.models.architecture import decoder_of
 from specdec.decoders.models.target import Target
 from specdec.proposers.copy_attention import label_probability, mixture
 from specdec.proposers.draft_model import DraftVocabulary, save_draft_vocab
@@ -99,7 +100,7 @@ def train(job: TrainJob) -> Path:
     sequences = job.sequences()
     training, heldout = split_heldout(sequences, job.data_config.heldout)
     target = job.pipeline.model
-    num_layers = len(target.get_decoder().layers)
+    num_layers = len(decoder_of(target).layers)
     layers = resolve_layers(cfg.feature_layers, num_layers)
     if job.eval_only:  # measure the existing artifact again (e.g. on new eval prompts)
         if not job.is_main_process:

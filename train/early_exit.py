@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from specdec.decoders.models.architecture import decoder_of
 from specdec.decoders.models.layered import LayeredDecoder, run_layers
 from specdec.decoders.models.session import ModelSession
 from specdec.proposers.early_exit import ExitHead
@@ -233,7 +234,7 @@ class ExitLogits:
     """Draft logits of an ExitHead on a batch of examples, and the teacher's."""
 
     def __init__(self, target: nn.Module, head: ExitHead, start_layer: int) -> None:
-        self.decoder = target.get_decoder()
+        self.decoder = decoder_of(target)
         self.lm_head = target.get_output_embeddings()
         self.head = head
         self.dtype = next(target.parameters()).dtype

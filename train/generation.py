@@ -31,6 +31,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from specdec.decoders.engine.sampling import SamplingConfig, processed_probs, sample
+from specdec.decoders.models.architecture import decoder_of
 from specdec.train.processes import process_state
 
 
@@ -79,7 +80,7 @@ def generate_batch(
     unfinished sequences need, not what its longest one needs for all.
     """
     device = next(model.parameters()).device
-    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    decoder, lm_head = decoder_of(model), model.get_output_embeddings()
     count, width = len(prompts), max(len(p) for p in prompts)
     input_ids = torch.full((count, width), pad_token_id, dtype=torch.long)  # (B, width)
     attention_mask = torch.zeros((count, width), dtype=torch.long)  # (B, width)

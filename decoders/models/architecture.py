@@ -22,6 +22,7 @@ missing, rather than run wrong:
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,16 @@ SUPPORTED_LAYER_TYPES = {
     "sliding_attention": "sliding",
     "chunked_attention": "chunked",
 }
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's decoder (the module that returns ``last_hidden_state``). transformers'
+    ``get_decoder`` returns the whole causal LM where ``base_model_prefix`` names no attribute
+    (Llama 4's text model: ``language_model``, but the decoder is ``model``)."""
+    decoder = model.get_decoder()
+    if decoder is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        return model.model
+    return decoder
 
 
 def attention_patterns(model: torch.nn.Module) -> list[AttentionPattern]:
@@ -127,3 +138,59 @@ def alibi_from_positions(original, positions: torch.Tensor):
         return alibi.to(dtype)
 
     return build
+
+
+class QueryTemperature:
+    """Llama 4's attention temperature: on its layers without rotary positions, each query is
+    scaled by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``, ``p`` its position.
+    transformers takes ``p`` from the cache's length as if the pass were a chain; a tree
+    node's position is its depth (and a packed pass holds several requests), so for those
+    passes :meth:`at` switches the layers' own scaling off and scales the query projection's
+    rows from the positions given: the same product, on the right positions."""
+
+    def __init__(self, attentions: list[torch.nn.Module]) -> None:
+        self.attentions = attentions
+        self.floor_scale = attentions[0].floor_scale
+        self.attn_scale = attentions[0].attn_scale
+
+    def scales(self, positions: torch.Tensor) -> torch.Tensor:
+        """(q,) each query's scale, as transformers computes it from its position."""
+        return torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+
+    @contextmanager
+    def at(self, positions: torch.Tensor):
+        """The layers scale their queries by ``positions`` (q,) during the block."""
+        scales = self.scales(positions).view(1, -1, 1)  # (1, q, 1) over (1, q, heads * head_dim)
+        hooks = []
+        try:
+            for attention in self.attentions:
+                attention.attn_temperature_tuning = False
+                hooks.append(
+                    attention.q_proj.register_forward_hook(lambda _m, _i, q: (q * scales).to(q.dtype))
+                )
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for attention in self.attentions:
+                attention.attn_temperature_tuning = True
+
+
+def query_temperature(decoder: torch.nn.Module) -> QueryTemperature | None:
+    """The decoder's temperature-scaled attention layers (Llama 4's without rotary positions),
+    or None where it has none."""
+    attentions = [
+        layer.self_attn
+        for layer in getattr(decoder, "layers", [])
+        if getattr(getattr(layer, "self_attn", None), "attn_temperature_tuning", False)
+        and not getattr(layer.self_attn, "use_rope", True)
+    ]
+    for (
+        attention
+    ) in attentions:  # scaling the projection's rows is scaling the query only if nothing comes between
+        if hasattr(attention, "qk_norm"):
+            raise UnsupportedArchitectureError(
+                f"{type(decoder).__name__}: a temperature-scaled attention layer normalises its queries "
+                "after projecting them, which a tree or packed pass cannot give each node's position"
+            )
+    return QueryTemperature(attentions) if attentions else None

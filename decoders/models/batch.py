@@ -17,6 +17,7 @@ Packing, not padding: no row is computed for nothing, and no request's cache is 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -157,14 +158,16 @@ def packed_forward(
     else:
         inputs = {"inputs_embeds": torch.cat(list(inputs_embeds))[None]}  # (1, rows, hidden)
     placeholder = torch.zeros(1, 1, row, 1, dtype=first.dtype, device=first.device)  # 4-D: no mask is built
+    position_ids = torch.cat(positions).to(first.device)
     try:
-        outputs = decoder(
-            **inputs,
-            position_ids=torch.cat(positions).to(first.device)[None],
-            attention_mask=placeholder,
-            cache=PackedCache([s.cache for s in sessions], spans, layout),
-            use_cache=True,
-        )
+        with first.temperature.at(position_ids) if first.temperature else contextlib.nullcontext():
+            outputs = decoder(
+                **inputs,
+                position_ids=position_ids[None],
+                attention_mask=placeholder,
+                cache=PackedCache([s.cache for s in sessions], spans, layout),
+                use_cache=True,
+            )
     finally:
         layout.clear()
     hidden = outputs.last_hidden_state[0]  # (rows, hidden)

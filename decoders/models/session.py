@@ -32,6 +32,8 @@ from specdec.decoders.models.architecture import (
     alibi_from_positions,
     attention_patterns,
     check_tree_support,
+    decoder_of,
+    query_temperature,
     uses_alibi,
 )
 from specdec.decoders.models.kv_cache import growing_cache
@@ -47,7 +49,7 @@ class ModelSession:
             model, target = model.model, model
         self.target = target
         self.model = model
-        self.decoder = model.get_decoder()
+        self.decoder = decoder_of(model)
         self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -56,6 +58,7 @@ class ModelSession:
         # why tree passes cannot run on this model (None: they can); raised at the first one
         self.tree_refusal = check_tree_support(model, self.decoder, self.patterns)
         self.alibi = uses_alibi(model)
+        self.temperature = query_temperature(self.decoder)  # Llama 4's, from each query's position
         self.reset()
 
     def for_request(self) -> ModelSession:
@@ -121,6 +124,9 @@ class ModelSession:
                 kwargs["attention_mask"] = next(iter(kwargs["attention_mask"].values()))
             if self.alibi:
                 outputs = self._alibi_tree_pass(tree_positions(parents, tree_start).to(self.device), kwargs)
+            elif self.temperature:
+                with self.temperature.at(kwargs["position_ids"][0]):
+                    outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
             else:
                 outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
         else:

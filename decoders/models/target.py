@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.decoders.models.architecture import decoder_of
 from specdec.decoders.models.batch import BatchLayout, check_batchable, packed_attention, packed_forward
 from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
 from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
@@ -243,7 +244,7 @@ class Target:
         return self.model.get_output_embeddings()
 
     def decoder(self) -> torch.nn.Module:
-        return self.model.get_decoder()
+        return decoder_of(self.model)
 
     def layers(self) -> torch.nn.ModuleList:
         """The decoder's layers, in order."""

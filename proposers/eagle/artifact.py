@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.decoders.models.architecture import decoder_of
 from specdec.proposers.draft_model import DraftVocabulary
 from specdec.proposers.eagle.drafter import EagleDrafter
 
@@ -49,7 +50,7 @@ def load_artifact(directory: Path, target: nn.Module) -> EagleArtifact:
     meta = json.loads((directory / CONFIG_FILE).read_text())
     weight = target.get_output_embeddings().weight
     vocab_size, hidden_size = weight.shape
-    num_layers = len(target.get_decoder().layers)
+    num_layers = len(decoder_of(target).layers)
     if (meta["vocab_size"], meta["hidden_size"], meta["num_target_layers"]) != (
         vocab_size,
         hidden_size,

@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.architecture import UnsupportedArchitectureError, decoder_of
 from specdec.decoders.models.taps import LayerTap
 from specdec.proposers.copy_attention import ContextMemory, CopyAttention
 from specdec.proposers.draft_model import DraftVocabulary
@@ -45,7 +45,7 @@ def check_llama_style(target: nn.Module) -> None:
     """EAGLE's draft layer is a copy of one of the target's decoder layers, adapted with LoRA
     on its attention and MLP projections, and reads the target's layers' outputs: it needs a
     Llama-style decoder. Others are refused in one line naming what is missing."""
-    decoder = target.get_decoder()
+    decoder = decoder_of(target)
     missing = [name for name in LLAMA_STYLE["decoder"] if not hasattr(decoder, name)]
     if not missing:
         layer = decoder.layers[0]
@@ -90,7 +90,7 @@ class EagleDrafter(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        target_decoder = target.get_decoder()
+        target_decoder = decoder_of(target)
         check_llama_style(target)
         num_layers = len(target_decoder.layers)
         self.feature_layers = resolve_layers(feature_layers, num_layers)

@@ -75,8 +75,27 @@ def test_standard_decoding_is_transformers_generate(arch):
 def test_the_matrix_covers_every_family():
     families = {a.family for a in ARCHITECTURES}
     assert len(ARCHITECTURES) >= 25
-    assert {"rotary", "partial rotary", "absolute", "alibi", "sliding", "hybrid", "moe"} <= families
-    for model_type in ("mistral", "gemma2", "gemma3_text", "bloom", "mixtral", "qwen3_moe", "gpt2", "opt"):
+    assert {
+        "rotary",
+        "partial rotary",
+        "absolute",
+        "alibi",
+        "sliding",
+        "hybrid",
+        "moe",
+        "chunked moe",
+    } <= families
+    for model_type in (
+        "mistral",
+        "gemma2",
+        "gemma3_text",
+        "bloom",
+        "mixtral",
+        "qwen3_moe",
+        "gpt2",
+        "opt",
+        "llama4_text",
+    ):
         assert model_type in {a.model_type for a in ARCHITECTURES}
 
 
@@ -105,7 +124,7 @@ def test_every_architecture_accepts_drafts():
         assert accepted["draft tree"] + accepted["ngram tree"] > 0, (arch.id, accepted)
 
 
-ONE_PER_FAMILY = ["llama", "phi", "gpt2", "bloom", "mistral", "gemma3_text", "mixtral"]
+ONE_PER_FAMILY = ["llama", "phi", "gpt2", "bloom", "mistral", "gemma3_text", "mixtral", "llama4"]
 
 
 @pytest.mark.parametrize("pipeline", ["draft chain", "draft tree"])
@@ -120,6 +139,31 @@ def test_sampling_distribution_on_every_attention_family(arch, pipeline):
     verifier = "rejection" if pipeline == "draft chain" else "tree"
     speculative = base.with_components(proposer(arch), verifier, sampling=sampling)
     assert_first_two_tokens_follow_the_target(base, speculative, PROMPT, sampling, 400, f"{arch.id} drafts")
+
+
+def test_llama4_tree_and_packed_passes_scale_each_query_by_its_own_position():
+    """Llama 4 scales a query without rotary positions by its position, which transformers
+    takes from the cache's length. A tree node (position = depth) and a packed pass (several
+    requests) get the logits of a chain pass over the node's own path (they did not when the
+    scale changed inside the pass: floor_scale 4 in the tiny model)."""
+    from specdec.decoders.models.target import Target
+
+    target = Target(loaded(next(a for a in ARCHITECTURES if a.id == "llama4"))[0].model)
+    prompt, block, parents = PROMPT[:30], [5, 6, 7, 8], [-1, -1, -1, 2]  # three roots, one child
+    session = target.session()
+    session.forward(prompt)
+    tree = session.forward(block, parents)
+    paths = [[5], [6], [7], [7, 8]]
+    for node, path in enumerate(paths):
+        session.truncate(len(prompt))
+        torch.testing.assert_close(tree[node], session.forward(path)[-1], rtol=1e-12, atol=1e-12)
+    sessions = [target.session(), target.session()]
+    for other in sessions:
+        other.forward(prompt)
+    packed = target.packed_forward(sessions, [block, [9, 10]], [parents, None])
+    torch.testing.assert_close(packed[0], tree, rtol=1e-12, atol=1e-12)
+    session.truncate(len(prompt))
+    torch.testing.assert_close(packed[1], session.forward([9, 10]), rtol=1e-12, atol=1e-12)
 
 
 def test_a_recurrent_cache_is_refused_when_the_session_is_built():
