@@ -16,6 +16,7 @@ import_plugins_from_argv()  # before Hydra composes, so plugin proposers are val
 
 from specdec.decoders.cli.config import (  # noqa: E402
     CONF_DIR,
+    check_proposer_options,
     component,
     constraint_config,
     load_plugins,
@@ -58,6 +59,7 @@ def stop_strings(setting) -> list[str]:
 @cli_errors
 def main(cfg: DictConfig) -> None:
     load_plugins(cfg)
+    check_proposer_options(cfg)  # before the model loads
     constraint = constraint_config(cfg)
     if constraint is not None:
         grammar_source(constraint)  # a schema, regex or grammar that does not compile: before the model loads

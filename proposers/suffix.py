@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.decoders.engine.draft import Draft, Round
-from specdec.decoders.engine.files import write_json
+from specdec.decoders.engine.files import check_writable, write_json
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.sizing.policy import SizingPolicy
@@ -94,6 +94,10 @@ class SuffixProposer(Proposer):
         # nodes that continue the match's latest occurrence (prompt lookup's choice) are
         # calibrated apart from the others: recency as evidence beside frequency
         latest: bool = True
+
+        def __post_init__(self) -> None:
+            if self.memory_path:  # written after each request: refused before the first, not after it
+                check_writable(Path(self.memory_path), "proposer.memory_path")
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)

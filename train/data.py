@@ -128,6 +128,17 @@ def read_prompt_file(path: Path) -> list[str]:
     return texts
 
 
+def check_prompt_files(data: DataConfig, eval_path: str | None, eval_limit: int | None) -> None:
+    """Read ``train.data.path`` and ``train.eval.path`` before the model loads: a missing eval
+    file was found only after the training data had been generated."""
+    from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
+
+    if data.path:
+        read_prompt_file(Path(data.path))
+    if eval_path:
+        load_workload(WorkloadConfig(name="eval", path=eval_path, limit=eval_limit), "train.eval.path")
+
+
 def eval_sequences(
     pipeline: Pipeline, cfg: DataConfig, data_root: Path, path: str, limit: int | None
 ) -> list[Sequence]:
@@ -136,7 +147,7 @@ def eval_sequences(
     from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
 
     responses = _store(pipeline, data_root, "responses", cfg.max_new_tokens, cfg.response_temperature, cfg)
-    workload = load_workload(WorkloadConfig(name="eval", path=path, limit=limit))
+    workload = load_workload(WorkloadConfig(name="eval", path=path, limit=limit), "train.eval.path")
     categories = {f"eval/{p.id}": p.category for p in workload}
     requests = [Request(f"eval/{p.id}", tuple(pipeline.encode(p.turns[0]))) for p in workload]
     generations = _generate(pipeline, requests, responses, cfg, "eval responses")

@@ -34,7 +34,7 @@ from specdec.decoders.engine.context import artifact_source
 from specdec.decoders.engine.pipeline import Pipeline
 from specdec.decoders.engine.registry import drafter_trainers, store_named_config
 from specdec.decoders.models.loading import ModelConfig, load_model
-from specdec.train.data import DataConfig, Sequence, eval_sequences, self_distilled
+from specdec.train.data import DataConfig, Sequence, check_prompt_files, eval_sequences, self_distilled
 from specdec.train.loop import RunLogger, ScaleConfig
 from specdec.train.processes import process_state
 
@@ -108,11 +108,7 @@ class TrainJob:
 
     @property
     def options(self) -> TrainConfig:
-        """The ``train`` section as :class:`TrainConfig` (unknown keys are errors)."""
-        node = OmegaConf.to_container(self.cfg.train, resolve=True)
-        evaluation = to_dataclass(EvalConfig, node.pop("eval", None) or {}, "train.eval")  # type: ignore[union-attr]
-        data = to_dataclass(DataConfig, node.pop("data", None) or {}, "train.data")  # type: ignore[union-attr]
-        return to_dataclass(TrainConfig, {**node, "eval": evaluation, "data": data}, "train")  # type: ignore[arg-type]
+        return train_options(self.cfg)
 
     @property
     def data_config(self) -> DataConfig:
@@ -212,9 +208,19 @@ class TrainJob:
         )
 
 
+def train_options(cfg: DictConfig) -> TrainConfig:
+    """The ``train`` section as :class:`TrainConfig` (unknown keys are errors)."""
+    node = OmegaConf.to_container(cfg.train, resolve=True)
+    evaluation = to_dataclass(EvalConfig, node.pop("eval", None) or {}, "train.eval")  # type: ignore[union-attr]
+    data = to_dataclass(DataConfig, node.pop("data", None) or {}, "train.data")  # type: ignore[union-attr]
+    return to_dataclass(TrainConfig, {**node, "eval": evaluation, "data": data}, "train")  # type: ignore[arg-type]
+
+
 def run(cfg: DictConfig) -> Path:
     """Train ``cfg.drafter`` for ``cfg.model``; returns the artifact directory."""
     module = drafter_module(cfg.drafter.name)
+    options = train_options(cfg)
+    check_prompt_files(options.data, options.eval.path, options.eval.limit)  # before the model loads
     state = process_state()  # joins the process group under accelerate launch / torchrun
     model_cfg = process_model_config(model_config(cfg), state)
     target, tokenizer = load_model(model_cfg)

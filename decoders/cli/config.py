@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import specdec.decoders.cli.commands  # noqa: F401  (stores each command's typed schema)
 from specdec.decoders.engine.constraint import ConstraintConfig
-from specdec.decoders.engine.registry import import_plugins, load_builtins
+from specdec.decoders.engine.registry import import_plugins, load_builtins, proposer_registry
 from specdec.decoders.engine.sampling import SamplingConfig
 from specdec.decoders.models.loading import ModelConfig
 
@@ -95,3 +95,30 @@ def component(cfg: DictConfig, key: str) -> dict | None:
 
 def load_plugins(cfg: DictConfig) -> None:
     import_plugins(cfg.get("plugins") or [])
+
+
+def check_proposer_options(cfg: DictConfig) -> None:
+    """Build the Config of every proposer the command names (``proposer``, the proposers of
+    ``bench.pipelines``, a merge's members) before the model loads: a Config checks its own
+    values (the suffix memory's path is one that would otherwise fail after decoding)."""
+    specs = [component(cfg, "proposer")]
+    bench = cfg.get("bench")
+    if bench is not None and bench.get("pipelines"):
+        entries = OmegaConf.to_container(bench.pipelines, resolve=True)
+        specs += [entry.get("proposer") for entry in entries if isinstance(entry, dict)]  # type: ignore[union-attr]
+    for spec in specs:
+        _check_proposer_spec(spec)
+
+
+def _check_proposer_spec(spec: Any) -> None:
+    if isinstance(spec, list):
+        for item in spec:
+            _check_proposer_spec(item)
+    if not isinstance(spec, dict):
+        return
+    name = spec.get("name")
+    if isinstance(name, str) and name in proposer_registry:
+        options = {key: value for key, value in spec.items() if key != "name"}
+        to_dataclass(proposer_registry.get(name).Config, options, f"proposer {name!r}")
+    for value in spec.values():  # a merge's members
+        _check_proposer_spec(value)

@@ -23,6 +23,32 @@ def write_json(path: Path, payload: dict, indent: int | None = 2) -> None:
     os.replace(tmp, path)
 
 
+def check_writable(path: Path, option: str) -> None:
+    """Refuse, before any work starts, an output the run could not write at its end: its
+    folder is made if missing and a probe file written and removed there."""
+    path = Path(path)
+    folder = path.parent
+    problem = None
+    if path.is_dir():
+        problem = f"{path} is a folder"
+    else:
+        existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
+        if existing.exists() and not existing.is_dir():  # mkdir's "File exists" names no culprit
+            problem = f"{existing} is a file, not a folder"
+    try:
+        if problem is None:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=folder, suffix=".probe")
+            os.close(fd)
+            os.remove(probe)
+    except OSError as error:
+        problem = error.strerror or str(error)
+    if problem is not None:
+        raise ValueError(
+            f"{option}={path}: cannot write in {folder} ({problem}); give {option} a file path in a writable folder"
+        )
+
+
 def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdec.decoders.cli.config import (
+    check_proposer_options,
     component,
     constraint_config,
     load_plugins,
@@ -54,7 +55,7 @@ from specdec.decoders.evaluation.audit_statistics import (
 )
 from specdec.decoders.evaluation.metrics import Divergence, first_divergence
 from specdec.decoders.evaluation.prompt_reuse import reusing_prompts
-from specdec.decoders.evaluation.workloads import load_workload, workload_config
+from specdec.decoders.evaluation.workloads import Prompt, load_workload, workload_config
 from specdec.decoders.models.loading import load_model
 from specdec.decoders.models.session import ModelSession
 
@@ -202,10 +203,10 @@ def synthetic_prompts(vocab_size: int, count: int, seed: int = 0) -> list[AuditP
     return prompts
 
 
-def workload_prompts(cfg: DictConfig, pipeline: Pipeline, count: int) -> list[AuditPrompt]:
+def workload_prompts(workload: list[Prompt], pipeline: Pipeline, count: int) -> list[AuditPrompt]:
     """The workload's first turns, taken round-robin across its categories."""
     by_category: dict[str, list] = {}
-    for prompt in load_workload(workload_config(cfg)):
+    for prompt in workload:
         by_category.setdefault(prompt.category, []).append(prompt)
     ordered = [p for rank in zip(*by_category.values()) for p in rank]  # first of each, second of each...
     leftovers = [p for ps in by_category.values() for p in ps if p not in ordered]
@@ -314,6 +315,8 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
     verifier_cfg = component(cfg, "verifier")  # None: the pipeline's default for its drafts
     if verifier_cfg is not None:  # a lossy verifier is refused before the model loads
         check_lossless_claim(verifier_cfg if isinstance(verifier_cfg, str) else verifier_cfg["name"], audit)
+    check_proposer_options(cfg)
+    workload = load_workload(workload_config(cfg))  # a missing workload file: before the model loads
 
     model_cfg = model_config(cfg)
     target, tokenizer = load_model(model_cfg)
@@ -326,7 +329,7 @@ def run_audit(cfg: DictConfig, checkpoint: Callable[[dict], None] | None = None)
     if tokenizer is None:
         prompts = synthetic_prompts(target.config.vocab_size, count)
     else:
-        prompts = workload_prompts(cfg, standard, count)
+        prompts = workload_prompts(workload, standard, count)
     tolerance = audit.tie_tolerance
     if tolerance is None:
         tolerance = TIE_TOLERANCE.get(standard.session.dtype, 1e-3)

@@ -28,7 +28,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from specdec.decoders.cli.config import constraint_config, load_plugins, model_config, sampling_config
+from specdec.decoders.cli.config import (
+    check_proposer_options,
+    constraint_config,
+    load_plugins,
+    model_config,
+    sampling_config,
+)
 from specdec.decoders.engine.constraint import Constraint, ConstraintConfig
 from specdec.decoders.engine.pipeline import Pipeline
 from specdec.decoders.evaluation.batching import run_batch_benchmark
@@ -49,6 +55,8 @@ def run_benchmark(cfg: DictConfig) -> dict:
     bench = bench_config(cfg)
     check_writable(Path(bench.output), "bench.output")  # before anything slow
     load_plugins(cfg)
+    check_proposer_options(cfg)
+    prompts = load_workload(workload_config(cfg))  # a missing workload file: before the model loads
     model_cfg = model_config(cfg)
     target, tokenizer = load_model(model_cfg)
     base = Pipeline(
@@ -56,7 +64,6 @@ def run_benchmark(cfg: DictConfig) -> dict:
         artifacts_dir=cfg.artifacts_dir, max_new_tokens=bench.max_new_tokens, round_gate=cfg.round_gate,
     )  # fmt: skip
     pipelines, contenders = contenders_for(cfg, bench, base)
-    prompts = load_workload(workload_config(cfg))
     if bench.batch_sizes:  # batch mode: throughput and latency per batch size
         return run_batch_benchmark(bench, base, pipelines, prompts)
     announce(bench, base, prompts, contenders)

@@ -3,27 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
-from specdec.decoders.engine.files import write_json  # noqa: F401  (the bench's and the audit's writer)
-
-
-def check_writable(path: Path, option: str) -> None:
-    """Refuse, before any work starts, an output the run could not write at its end: its
-    folder is made if missing and a probe file written and removed there."""
-    folder = Path(path).parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, suffix=".probe")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as error:
-        raise ValueError(
-            f"{option}={path}: cannot write in {folder} ({error.strerror or error}); "
-            f"give {option} a path in a writable folder"
-        ) from None
+from specdec.decoders.engine.files import check_writable, write_json  # noqa: F401  (the bench's and the audit's)
 
 
 def read_results(path: Path, what: str) -> dict:

@@ -57,8 +57,9 @@ class Prompt:
     constraint: dict | None = None
 
 
-def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
-    """The prompts of a workload, grouped by category in file order."""
+def load_workload(cfg: WorkloadConfig, option: str = "workload.path") -> list[Prompt]:
+    """The prompts of a workload, grouped by category in file order. ``option`` is what the
+    messages tell the user to change (``train.eval.path`` reads a workload file too)."""
     if cfg.turns not in (1, 2):
         raise ValueError(f"workload.turns must be 1 or 2, got {cfg.turns}")
     if cfg.limit is not None and cfg.limit < 1:
@@ -74,12 +75,13 @@ def load_workload(cfg: WorkloadConfig) -> list[Prompt]:
     except UnicodeDecodeError as error:
         raise ValueError(
             f"workload file {path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
-            f"{error.start}); convert it (iconv -f latin1 -t utf-8) or pass another workload.path"
+            f"{error.start}); convert it (iconv -f latin1 -t utf-8) or pass another {option}"
         ) from None
     except OSError as error:
+        shipped = ", or use workload=default" if option == "workload.path" else ""
         raise FileNotFoundError(
-            f"cannot read workload file {path}: {error.strerror}. Pass workload.path=FILE with a "
-            "Spec-Bench question.jsonl file, or use workload=default."
+            f"cannot read workload file {path}: {error.strerror}. Pass {option}=FILE with a "
+            f"Spec-Bench question.jsonl file{shipped}."
         ) from error
     prompts: list[Prompt] = []
     for number, line in enumerate(lines, 1):
