@@ -32,6 +32,7 @@ from specdec.decoders.engine.registry import verifier_registry  # noqa: E402
 from specdec.decoders.models import cpu  # noqa: E402
 from specdec.decoders.models.cost import COST_CURVE_ENV, CostCurve  # noqa: E402
 from specdec.decoders.models.loading import ModelConfig, load_model  # noqa: E402
+from specdec.train.job import store_drafter_configs  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,6 +62,7 @@ def _isolate_from_the_machine() -> Path:
 
 
 TEST_ROOT = _isolate_from_the_machine()
+store_drafter_configs()  # drafter=<name> choices, as `python -m specdec.train` stores them before composing
 
 
 @pytest.fixture()

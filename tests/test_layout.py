@@ -261,3 +261,20 @@ def test_every_import_of_the_project_names_its_installed_package():
         if name.split(".")[0] in PACKAGES
     )
     assert not bare, bare
+
+
+def test_importing_one_train_module_imports_no_other_part():
+    """``specdec.train``'s modules import what they use, not the whole package: its checkpoints
+    import no drafter, no proposer and no training loop."""
+    code = (
+        "import sys, specdec.train.checkpoints\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('specdec.train.', 'specdec.proposers'))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(tempfile.gettempdir()),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.strip() == "['specdec.train.checkpoints']"

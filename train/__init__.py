@@ -13,10 +13,21 @@ Modules: :mod:`specdec.train.prompts` (the built-in prompt set), :mod:`specdec.t
 one module per drafter (:mod:`specdec.train.medusa`). The same command runs data-parallel
 under ``accelerate launch`` or ``torchrun`` (docs/scale.md). Artifacts go to
 ``<artifacts_dir>/<target>/<drafter>``, where the matching proposer finds them.
+
+Importing the package, or any one module of it, runs nothing else: ``TrainJob``, ``drafters``
+and ``run`` are imported from :mod:`specdec.train.job` on first use.
 """
 
-from specdec.train.job import TrainJob, drafters, run, store_drafter_configs
+from __future__ import annotations
 
-store_drafter_configs()  # drafter=<name> choices, before any config is composed
+from typing import Any
 
 __all__ = ["TrainJob", "drafters", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from specdec.train import job
+
+        return getattr(job, name)
+    raise AttributeError(f"module 'specdec.train' has no attribute {name!r}")

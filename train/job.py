@@ -57,8 +57,8 @@ def drafter_module(name: str) -> ModuleType:
 
 def store_drafter_configs() -> None:
     """Make each drafter's ``Config`` the ``drafter=<name>`` choice of Hydra's ConfigStore
-    (imports every drafter module; the ``train`` package does it on import, before any
-    config is composed)."""
+    (imports every drafter module, which imports this one: the command line calls it before
+    it composes, not this module on import)."""
     for name in drafters():
         store_named_config("drafter", name, drafter_module(name).Config)
 

@@ -14,7 +14,7 @@ from omegaconf.errors import ValidationError
 
 import specdec.decoders.evaluation.audit  # noqa: F401  (stores audit=default, as the command does)
 import specdec.decoders.evaluation.bench_config  # noqa: F401  (stores bench=default)
-import specdec.train.job  # noqa: F401  (stores the drafters and train's options)
+import specdec.train.job  # noqa: F401  (stores train's options; tests/conftest.py the drafters)
 from specdec.decoders.cli.commands import COMMANDS, CommonConfig
 from specdec.decoders.cli.config import CONF_DIR
 
