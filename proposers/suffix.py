@@ -71,6 +71,9 @@ class Candidate:
 
 @register_proposer("suffix")
 class SuffixProposer(Proposer):
+    shared = frozenset({"memory", "calibration"})  # earlier requests' outputs, the acceptance measured
+    per_request = frozenset({"request"})  # the index of the request's own tokens
+
     @property
     def drafts_trees(self) -> bool:
         return True  # what followed every match, as one tree
