@@ -122,7 +122,27 @@ def hydra_message(error: BaseException) -> str:
     if message.startswith("Could not override '") and type(cause).__name__ == "ConfigAttributeError":
         key = message.split("'")[1]
         message = f"{key}: no such option ({str(cause).strip().splitlines()[0]}); --cfg job lists the options"
+    if message.startswith("Ambiguous value for argument '"):
+        message = _ambiguous_value_message(message, lines[1:])
     return message.replace("To append to your config use ", "")
+
+
+def _ambiguous_value_message(message: str, hints: list[str]) -> str:
+    """Hydra reads an unquoted comma as a list or a sweep and lists its remedies on lines of
+    their own; the one a user usually wants, one string, needs quotes the shell keeps."""
+    override = message[len("Ambiguous value for argument '") :].rsplit("'", 1)[0]
+    key, _, value = override.partition("=")
+    example = f"'{key}=\"{value}\"'" if '"' not in value else f"\"{key}='{value}'\""
+    remedies = []
+    for hint in hints:
+        remedy = hint.split(". ", 1)[-1]  # "2. To use it as string, ..."
+        remedy = remedy[:1].lower() + remedy[1:]
+        if "quote the value" in remedy:
+            remedy += f" (inside the shell's quotes: {example})"
+        remedies.append(remedy)
+    if not any("quote the value" in remedy for remedy in remedies):
+        remedies.append(f"to use it as one string, quote the value inside the shell's quotes: {example}")
+    return f"{key}={value}: Hydra reads an unquoted comma as a list or a sweep; {'; '.join(remedies)}"
 
 
 def _terminate_as_interrupt(signum: int, frame: Any) -> None:
