@@ -63,7 +63,7 @@ def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None
     exponential gaps) or a list of ``count`` seconds."""
     if setting is None:
         return None
-    if isinstance(setting, int | float):
+    if _is_number(setting):
         if setting <= 0:
             raise ValueError(f"bench.arrivals={setting}: a rate must be > 0 requests per second")
         rng, now, times = random.Random(seed), 0.0, []
@@ -71,10 +71,20 @@ def arrival_times(setting: Any, count: int, seed: int = 0) -> list[float] | None
             times.append(now)
             now += rng.expovariate(float(setting))
         return times
+    if not isinstance(setting, list | tuple) or not all(_is_number(t) and t >= 0 for t in setting):
+        raise ValueError(  # a string reached float() a character at a time
+            f"bench.arrivals={setting}: neither a rate nor a list of seconds; give a rate in requests per "
+            "second (bench.arrivals=2.0), each prompt's arrival in seconds (bench.arrivals=[0,0.5,1.2]), "
+            "or null (all at the start)"
+        )
     times = [float(t) for t in setting]
     if len(times) != count:
-        raise ValueError(f"bench.arrivals lists {len(times)} times for {count} prompts")
+        raise ValueError(f"bench.arrivals lists {len(times)} times for {count} prompts; give one per prompt")
     return times
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 Runner = Callable[[list, int, Any], BatchRun]  # (prompts, batch size, arrival times or None)

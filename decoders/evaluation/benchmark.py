@@ -37,7 +37,7 @@ from specdec.decoders.cli.config import (
 )
 from specdec.decoders.engine.constraint import Constraint, ConstraintConfig
 from specdec.decoders.engine.pipeline import Pipeline
-from specdec.decoders.evaluation.batching import run_batch_benchmark
+from specdec.decoders.evaluation.batching import arrival_times, run_batch_benchmark
 from specdec.decoders.evaluation.bench_config import BenchConfig, bench_config
 from specdec.decoders.evaluation.bench_results import results_payload
 from specdec.decoders.evaluation.contenders import EXACT_OFF, Contender, contenders_for
@@ -57,6 +57,7 @@ def run_benchmark(cfg: DictConfig) -> dict:
     load_plugins(cfg)
     check_proposer_options(cfg)
     prompts = load_workload(workload_config(cfg))  # a missing workload file: before the model loads
+    arrival_times(bench.arrivals, len(prompts))  # and arrivals that do not fit them
     model_cfg = model_config(cfg)
     target, tokenizer = load_model(model_cfg)
     base = Pipeline(

@@ -98,3 +98,23 @@ def test_a_present_workload_file_still_runs(tmp_path, monkeypatch):
               "bench.max_new_tokens=2", "bench.plots=false", f"bench.output={output}",
               f"hydra.run.dir={tmp_path / 'run'}"))  # fmt: skip
     assert output.exists()
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "expected"),
+    [
+        (
+            "fast",
+            "bench.arrivals=fast: neither a rate nor a list of seconds; give a rate in requests per second",
+        ),
+        ("[0,1]", "bench.arrivals lists 2 times for 6 prompts; give one per prompt"),
+        ("-1", "bench.arrivals=-1: a rate must be > 0"),
+    ],
+)
+def test_bench_arrivals_that_cannot_be_read_are_named_before_the_model_loads(
+    no_model, monkeypatch, capsys, tmp_path, arrivals, expected
+):
+    """``fast`` reached float() a character at a time: 'could not convert string to float: 'f''."""
+    line = one_line(monkeypatch, capsys, "specdec.decoders.bench", "proposer=ngram", "bench.batch_size=2",
+                    f"bench.arrivals={arrivals}", "workload.limit=1", f"bench.output={tmp_path}/r.json")  # fmt: skip
+    assert expected in line
