@@ -30,7 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     root: Path = args.directory
     if not root.is_dir():
         parser.error(f"{root} is not a directory; pass the sweep folder, e.g. multirun/2026-01-31_12-00-00")
-    runs = collect(root)
+    skipped: list[Path] = []
+    runs = collect(root, skipped)
+    if not runs and skipped:  # found, but none could be used: not "none under DIR"
+        named = ", ".join(str(path) for path in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        parser.error(
+            f"none of the {len(skipped)} results.json under {root} could be used ({named}: the [report] "
+            "lines above say why); pass a folder of finished per-prompt bench runs"
+        )
     if not runs:
         parser.error(f"no results.json under {root}; run `python -m specdec.decoders.bench -m ...` first")
     rows, varying = report_rows(runs, root)

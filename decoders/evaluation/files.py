@@ -14,6 +14,17 @@ def read_results(path: Path, what: str) -> dict:
         payload = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not a readable results.json ({error}); {what}") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("pipelines"), list):
+    batch = (
+        isinstance(payload, dict) and payload.get("mode") == "batch" and isinstance(payload.get("rows"), list)
+    )
+    if not batch and (not isinstance(payload, dict) or not isinstance(payload.get("pipelines"), list)):
         raise ValueError(f"{path}: not a results.json written by python -m specdec.decoders.bench; {what}")
-    return payload
+    return payload  # a batch-mode run's ("mode": "batch") holds rows per batch size instead of pipelines
+
+
+def batch_run(payload: dict) -> str | None:
+    """How a batch-mode run's results were asked for (``bench.batch_size=[1, 4]``), None for a
+    per-prompt run: replay and report read per-prompt runs only."""
+    if payload.get("mode") != "batch":
+        return None
+    return f"bench.batch_size={payload.get('batch_sizes')}"

@@ -51,7 +51,7 @@ from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.request import StopConditions
 from specdec.decoders.engine.sampling import SamplingConfig
 from specdec.decoders.evaluation.contenders import build_pipelines
-from specdec.decoders.evaluation.files import read_results, write_json
+from specdec.decoders.evaluation.files import batch_run, read_results, write_json
 from specdec.decoders.evaluation.metrics import Record, pipeline_entry
 from specdec.decoders.evaluation.scheduling import turn_ids
 from specdec.decoders.evaluation.workloads import load_workload, workload_config
@@ -363,6 +363,11 @@ def run_replay(cfg: DictConfig) -> dict:
     if not results_file.exists():
         raise FileNotFoundError(f"no bench results at {results_file}; give run=outputs/bench/DATE_TIME")
     run = read_results(results_file, "give run=outputs/bench/DATE_TIME")
+    if (batch := batch_run(run)) is not None:
+        raise ValueError(
+            f"{results_file} is a batch-mode run ({batch}): replay replays per-prompt runs only (their "
+            "recorded rounds, one request at a time); give run= a bench run made without bench.batch_size"
+        )
     if run.get("complete") is False:
         raise ValueError(
             f"{results_file} is partial ({run['prompts']} of {run.get('prompts_planned', '?')} prompts: the "

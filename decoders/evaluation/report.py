@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specdec.decoders.evaluation.files import read_results
+from specdec.decoders.evaluation.files import batch_run, read_results
 from specdec.decoders.evaluation.metrics import control_entry
 from specdec.decoders.evaluation.plots import speedup_vs_parameter
 
@@ -44,14 +44,23 @@ DRAFT_SIZE_OPTIONS = (
 IGNORED_PREFIXES = ("logger.", "bench.output", "bench.plots", "bench.cost_cache", "artifacts_dir", "plugins")
 
 
-def collect(directory: Path) -> list[tuple[Path, dict]]:
-    """(path, payload) of every results.json under ``directory``, in path order."""
-    runs = []
+def collect(directory: Path, skipped: list[Path] | None = None) -> list[tuple[Path, dict]]:
+    """(path, payload) of every results.json under ``directory``, in path order; the files it
+    cannot use are said and added to ``skipped``."""
+    runs, skipped = [], [] if skipped is None else skipped
     for path in sorted(directory.rglob("results.json"), key=lambda p: [_natural(part) for part in p.parts]):
         try:
             payload = read_results(path, "skipped")
         except ValueError as error:
             print(f"[report] skipping {error}", file=sys.stderr)
+            skipped.append(path)
+            continue
+        if (batch := batch_run(payload)) is not None:
+            print(
+                f"[report] skipping {path}: a batch-mode run ({batch}); the bench printed its table",
+                file=sys.stderr,
+            )
+            skipped.append(path)
             continue
         if payload.get("complete") is False:
             print(

@@ -226,3 +226,25 @@ def test_replay_cli_refuses_a_sampled_run(tmp_path, monkeypatch, capsys):
         replay.main()
     assert exit.value.code == 2
     assert "only greedy runs can be replayed" in capsys.readouterr().err
+
+
+def test_replay_cli_says_it_does_not_replay_a_batch_mode_run(tmp_path, monkeypatch, capsys):
+    """The bench wrote it; replay said "not a results.json written by bench"."""
+    from specdec.decoders import replay
+
+    run_dir = tmp_path / "run"
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), f"hydra.run.dir={run_dir}", "proposer=ngram",
+              "bench.batch_size=[1,2]", "bench.max_new_tokens=2", "bench.aa=false", "bench.plots=false"))  # fmt: skip
+    capsys.readouterr()
+    monkeypatch.setattr(
+        sys, "argv", ["specdec.decoders.replay", f"run={run_dir}", f"hydra.run.dir={tmp_path / 'r'}"]
+    )
+    with pytest.raises(SystemExit) as exit:
+        replay.main()
+    assert exit.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"error: {run_dir / 'results.json'} is a batch-mode run (bench.batch_size=[1, 2]): replay replays "
+        "per-prompt runs only (their recorded rounds, one request at a time); give run= a bench run made "
+        "without bench.batch_size"
+    )

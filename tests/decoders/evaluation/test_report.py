@@ -6,6 +6,8 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
+
 from specdec.decoders import report
 from specdec.decoders.evaluation import report as sweep_report
 from tests.bench_helpers import run_bench, tiny_overrides, write_workload
@@ -60,3 +62,25 @@ def test_report_shows_only_options_that_vary():
     assert [row["run"] for row in rows] == ["0", "1"]  # standard decoding left out
     assert sweep_report.draft_size_option(rows, varying) is None  # nothing to plot against
     assert "| sampling.temperature |" in sweep_report.markdown_table(rows, varying)
+
+
+def test_report_says_the_files_it_found_were_unusable(tmp_path, capsys):
+    """A truncated results.json and a batch-mode one: the report said "no results.json under DIR"."""
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "results.json").write_text('{"model": "tiny-random", "pipel')
+    (tmp_path / "batch").mkdir()
+    (tmp_path / "batch" / "results.json").write_text(
+        json.dumps({"mode": "batch", "batch_sizes": [1, 4], "rows": []})
+    )
+    with pytest.raises(SystemExit) as exit:
+        report.main([str(tmp_path)])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        f"[report] skipping {tmp_path / 'batch' / 'results.json'}: a batch-mode run (bench.batch_size=[1, 4])"
+        in err
+    )
+    assert f"[report] skipping {tmp_path / 'cut' / 'results.json'}: not a readable results.json" in err
+    last = err.strip().splitlines()[-1]
+    assert f"error: none of the 2 results.json under {tmp_path} could be used" in last
+    assert str(tmp_path / "cut" / "results.json") in last and "no results.json under" not in last
