@@ -55,6 +55,20 @@ def stop_strings(setting) -> list[str]:
     return [str(item) for item in setting]
 
 
+def interrupted(name: str, decoding) -> None:
+    """Ctrl-C (or SIGTERM): the text streamed so far stays; say so, with the stats of the
+    tokens decoded (the round cut short is not in them)."""
+    stats = decoding.stats
+    stats.new_tokens = len(decoding.tokens)
+    print(f"\n\n[{name}]", file=sys.stderr)
+    print(format_stats(stats), file=sys.stderr)
+    print(
+        f"[generate] interrupted after {stats.new_tokens} of {decoding.stop.max_new_tokens} tokens: "
+        "the text and stats above are what was decoded",
+        file=sys.stderr,
+    )
+
+
 @hydra.main(config_path=CONF_DIR, config_name="generate", version_base="1.3")
 @cli_errors
 def main(cfg: DictConfig) -> None:
@@ -76,9 +90,15 @@ def main(cfg: DictConfig) -> None:
     )
     if constraint is not None:
         constraint = pipeline.constraint(constraint)
-    result = pipeline.generate(
-        cfg.prompt, on_text=lambda text: print(text, end="", flush=True), constraint=constraint
-    )
+    streamer = pipeline.text_streamer(lambda text: print(text, end="", flush=True))
+    decoding = pipeline.start(cfg.prompt, on_tokens=streamer, constraint=constraint)
+    try:  # stepped here, not in pipeline.generate: Ctrl-C still has the decoding to report on
+        while not decoding.done:
+            decoding.step()
+    except KeyboardInterrupt:
+        interrupted(pipeline.name, decoding)
+        raise
+    result = pipeline.result(decoding)
     print(f"\n\n[{pipeline.name}]", file=sys.stderr)
     print(format_stats(result.stats), file=sys.stderr)
     if constraint is not None:

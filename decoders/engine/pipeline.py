@@ -227,7 +227,7 @@ class Pipeline:
         the output to a grammar's sentences."""
         callback = on_tokens
         if on_text is not None:
-            callback = self._text_streamer(on_text, on_tokens)
+            callback = self.text_streamer(on_text, on_tokens)
         decoding = self.start(prompt, max_new_tokens, seed=seed, on_tokens=callback, constraint=constraint)
         while not decoding.done:
             decoding.step()
@@ -330,9 +330,11 @@ class Pipeline:
         text = self.tokenizer.decode(output.tokens, skip_special_tokens=True) if self.tokenizer else ""
         return GenerationResult(text, output.tokens, decoding.state.prompt_len, output.stats)
 
-    def _text_streamer(
-        self, on_text: Callable[[str], None], on_tokens: Callable[[list[int]], None] | None
+    def text_streamer(
+        self, on_text: Callable[[str], None], on_tokens: Callable[[list[int]], None] | None = None
     ) -> Callable[[list[int]], None]:
+        """An ``on_tokens`` callback for :meth:`start` that hands ``on_text`` the new text (a
+        multi-byte character once whole), as :meth:`generate`'s ``on_text`` does."""
         generated: list[int] = []
         shown = [0]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO_ROOT
 
 
@@ -52,3 +54,39 @@ def test_project_errors_are_one_line_unless_debugging(tmp_path):
         "prompt=hi", "proposer=medusa", f"artifacts_dir={tmp_path}", "debug=true", cwd=tmp_path
     )
     assert debugging.returncode not in (0, 2) and "FileNotFoundError" in debugging.stderr
+
+
+def test_ctrl_c_keeps_the_text_and_says_what_was_decoded(tmp_path, monkeypatch, capsys):
+    """Interrupted in its 6th round: the streamed text stays, the stats of the tokens decoded
+    follow, the last line says it was interrupted, and the status is 130 (it printed the
+    partial text and nothing else)."""
+    from specdec.decoders import generate
+    from specdec.decoders.engine.decoding import Decoding
+
+    real_step, rounds = Decoding.step, []
+
+    def step(self):
+        rounds.append(1)
+        if len(rounds) == 6:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Decoding, "step", step)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(
+        sys, "argv", ["generate", "model=tiny-random", "prompt=hello hello", "max_new_tokens=40"]
+    )
+    with pytest.raises(SystemExit) as exit_:
+        generate.main()
+    assert exit_.value.code == 130
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out  # the text streamed before the interrupt
+    assert lines[-1] == (
+        "[generate] interrupted after 6 of 40 tokens: the text and stats above are what was decoded"
+    )  # the prefill's token and one per round of standard decoding
+    assert (
+        "[standard]" in lines
+        and "new tokens          6" in lines
+        and "target passes       5 (+ prefill)" in lines
+    )
