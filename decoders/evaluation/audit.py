@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -57,7 +56,6 @@ from specdec.decoders.evaluation.metrics import Divergence, first_divergence
 from specdec.decoders.evaluation.prompt_reuse import reusing_prompts
 from specdec.decoders.evaluation.workloads import Prompt, load_workload, workload_config
 from specdec.decoders.models.loading import load_model
-from specdec.decoders.models.session import ModelSession
 
 AuditPrompt = tuple[str, list[int]]  # (prompt id, token ids)
 
@@ -128,29 +126,10 @@ def target_logits_after(pipeline: Pipeline, token_ids: list[int]) -> torch.Tenso
     return session.forward(token_ids)[-1].double()
 
 
-@contextmanager
-def decided_rows(pipeline: Pipeline) -> Iterator[list[torch.Tensor]]:
+def decided_rows(pipeline: Pipeline):
     """Collects, while in the block, the target logit row behind each position the
-    pipeline's session commits: the rows of the last language-model-head call
-    (the round's target pass) that ``keep`` retains, in position order."""
-    session = pipeline.session
-    rows: list[torch.Tensor] = []
-    last: list[torch.Tensor] = []
-
-    def remember(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        last[:] = [output.reshape(-1, output.shape[-1])]
-
-    def keep(start: int, kept: list[int]) -> None:
-        rows.extend(last[0][kept])
-        ModelSession.keep(session, start, kept)
-
-    hook = session.lm_head.register_forward_hook(remember)
-    session.keep = keep  # type: ignore[method-assign]
-    try:
-        yield rows
-    finally:
-        hook.remove()
-        del session.keep
+    pipeline's session commits (:meth:`ModelSession.recording_kept_rows`)."""
+    return pipeline.session.recording_kept_rows()
 
 
 def greedy_audit(

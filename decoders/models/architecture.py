@@ -22,7 +22,7 @@ missing, rather than run wrong:
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -174,6 +174,33 @@ class QueryTemperature:
                 hook.remove()
             for attention in self.attentions:
                 attention.attn_temperature_tuning = True
+
+
+class PassPositions:
+    """What a tree or packed pass must tell a model of its rows' positions beyond
+    ``position_ids``: ALiBi's key biases (a node's position is its depth, not its index in
+    the cache) and Llama 4's query temperature. A :class:`~specdec.decoders.models.target.Target`
+    owns one (``target.positions``); the module is changed only inside :meth:`at`'s block."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.decoder = decoder_of(model)
+        self.alibi = uses_alibi(model)
+        self.temperature = query_temperature(self.decoder)  # Llama 4's, from each query's position
+
+    @contextmanager
+    def at(self, query_positions: torch.Tensor, key_positions: torch.Tensor | None = None):
+        """During the block, the model's passes take each query's position from
+        ``query_positions`` (q,) and, under ALiBi, each key's from ``key_positions`` (kv,)."""
+        with ExitStack() as undo:
+            if self.alibi and key_positions is not None:
+                decoder = self.decoder
+                decoder.build_alibi_tensor = alibi_from_positions(
+                    type(decoder).build_alibi_tensor.__get__(decoder), key_positions
+                )
+                undo.callback(delattr, decoder, "build_alibi_tensor")  # the class's own builder again
+            if self.temperature is not None:
+                undo.enter_context(self.temperature.at(query_positions))
+            yield
 
 
 def query_temperature(decoder: torch.nn.Module) -> QueryTemperature | None:

@@ -17,7 +17,6 @@ Packing, not padding: no row is computed for nothing, and no request's cache is 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -160,7 +159,7 @@ def packed_forward(
     placeholder = torch.zeros(1, 1, row, 1, dtype=first.dtype, device=first.device)  # 4-D: no mask is built
     position_ids = torch.cat(positions).to(first.device)
     try:
-        with first.temperature.at(position_ids) if first.temperature else contextlib.nullcontext():
+        with first.positions.at(position_ids):
             outputs = decoder(
                 **inputs,
                 position_ids=position_ids[None],

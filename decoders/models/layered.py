@@ -121,7 +121,7 @@ class LayeredDecoder:
         session = self.session
         session.hidden = self.decoder.norm(hidden)  # (q, hidden)
         session.cached.extend(tokens)
-        return session.lm_head(session.hidden)
+        return session.logits(session.hidden)
 
 
 def run_layers(

@@ -24,17 +24,18 @@ the session cannot serve is refused when the session is built.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from specdec.decoders.models.architecture import (
     AttentionPattern,
+    PassPositions,
     UnsupportedArchitectureError,
-    alibi_from_positions,
     attention_patterns,
     check_tree_support,
     decoder_of,
-    query_temperature,
-    uses_alibi,
 )
 from specdec.decoders.models.kv_cache import growing_cache
 
@@ -57,8 +58,10 @@ class ModelSession:
         self.patterns = attention_patterns(model)  # each layer's attention: full, sliding, chunked
         # why tree passes cannot run on this model (None: they can); raised at the first one
         self.tree_refusal = check_tree_support(model, self.decoder, self.patterns)
-        self.alibi = uses_alibi(model)
-        self.temperature = query_temperature(self.decoder)  # Llama 4's, from each query's position
+        # what tree and packed passes tell the model of their positions (the target's own)
+        self.positions = target.positions if target is not None else PassPositions(model)
+        self._kept_rows: list[torch.Tensor] | None = None  # while recording_kept_rows
+        self._last_logits: torch.Tensor | None = None
         self.reset()
 
     def for_request(self) -> ModelSession:
@@ -67,6 +70,10 @@ class ModelSession:
         other = ModelSession(self.model, target=self.target)
         other.lm_head = self.lm_head
         return other
+
+    @property
+    def alibi(self) -> bool:
+        return self.positions.alibi
 
     def reset(self) -> None:
         self.cache = growing_cache(self.model.config)
@@ -122,31 +129,38 @@ class ModelSession:
             }
             if len(masks) == 1:  # one pattern in every layer: a plain 4-D mask (1, 1, q, start + q)
                 kwargs["attention_mask"] = next(iter(kwargs["attention_mask"].values()))
-            if self.alibi:
-                outputs = self._alibi_tree_pass(tree_positions(parents, tree_start).to(self.device), kwargs)
-            elif self.temperature:
-                with self.temperature.at(kwargs["position_ids"][0]):
-                    outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
+            if self.positions.alibi:
+                kwargs.pop("position_ids")  # ALiBi has no position embeddings: its keys' biases
+                keys = tree_positions(parents, tree_start).to(self.device)
+                queries = keys[-len(tokens) :]
             else:
+                keys, queries = None, kwargs["position_ids"][0]
+            with self.positions.at(queries, keys):
                 outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
         else:
             outputs = self.decoder(cache=self.cache, use_cache=True, **kwargs)
         self.hidden = outputs.last_hidden_state[0]  # (q, hidden)
         self.cached.extend(tokens)
-        return self.lm_head(self.hidden[-1:] if last_only else self.hidden)  # (q or 1, vocab)
+        return self.logits(self.hidden[-1:] if last_only else self.hidden)  # (q or 1, vocab)
 
-    def _alibi_tree_pass(self, key_positions: torch.Tensor, kwargs: dict):
-        """A tree pass of an ALiBi model: each key's bias from its position (a node's depth),
-        not from its index in the cache; the decoder's own bias builder is back after it."""
-        decoder = self.decoder
-        decoder.build_alibi_tensor = alibi_from_positions(
-            type(decoder).build_alibi_tensor.__get__(decoder), key_positions
-        )
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``hidden`` (q, hidden): every pass's logits come from here (a
+        layered pass's too), so :meth:`recording_kept_rows` sees them."""
+        logits = self.lm_head(hidden)
+        if self._kept_rows is not None:
+            self._last_logits = logits.reshape(-1, logits.shape[-1])
+        return logits
+
+    @contextmanager
+    def recording_kept_rows(self) -> Iterator[list[torch.Tensor]]:
+        """Inside: the logit row behind each position this session commits, in order: the
+        rows of its latest pass that :meth:`keep` retains (the audit's bit-identity check)."""
+        rows: list[torch.Tensor] = []
+        self._kept_rows, self._last_logits = rows, None
         try:
-            kwargs.pop("position_ids")  # ALiBi has no position embeddings
-            return decoder(cache=self.cache, use_cache=True, **kwargs)
+            yield rows
         finally:
-            del decoder.build_alibi_tensor
+            self._kept_rows = self._last_logits = None
 
     def truncate(self, length: int) -> None:
         """Roll the cache back to its first ``length`` tokens."""
@@ -167,6 +181,8 @@ class ModelSession:
         in place, then the cache is cut.
         """
         end = start + len(kept)
+        if self._kept_rows is not None and self._last_logits is not None:
+            self._kept_rows.extend(self._last_logits[kept])
         if kept != list(range(len(kept))):
             source = torch.tensor(kept, device=self.device) + start
             for layer in self.cache.layers:

@@ -11,9 +11,14 @@ that model computes:
 * the layer taps drafters read the target's intermediate layers through
   (:meth:`tap`), whose forward hooks it installs and removes;
 * packed passes over several requests' sessions (:meth:`packed_forward`, a batch's
-  round: :mod:`specdec.decoders.models.batch`).
+  round: :mod:`specdec.decoders.models.batch`);
+* what a tree or packed pass tells the model of its rows' positions (``positions``,
+  :class:`specdec.decoders.models.architecture.PassPositions`: ALiBi's key biases, Llama 4's
+  query temperature), set on the module for the length of one pass and undone after it.
 
-Nothing is stored on the ``nn.Module`` itself or in module globals: a routed linear
+Nothing else changes the module (the audit reads the rows a session keeps from the session,
+:meth:`ModelSession.recording_kept_rows`, not through hooks), and nothing stays on the
+``nn.Module`` itself or in module globals: a routed linear
 changes class (to its route's subclass of ``nn.Linear``, parameters untouched), and
 the attention functions are registered with transformers' attention interface under
 names of this target's own, with this target's memo of the last pass's mask layout.
@@ -36,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.decoders.models.architecture import decoder_of
+from specdec.decoders.models.architecture import PassPositions, decoder_of
 from specdec.decoders.models.batch import BatchLayout, check_batchable, packed_attention, packed_forward
 from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
 from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
@@ -76,6 +81,9 @@ class Target:
         self._batch_layout = BatchLayout()  # the packed attention's view of the pass running
         self._registered: list[str] = []
         self._tap: LayerTap | None = None
+        # tree and packed passes' positions (ALiBi's key biases, Llama 4's query temperature),
+        # set on the module only for the length of a pass
+        self.positions = PassPositions(model)
         self._pass_times: dict[tuple[bool, int], PassTimes] = {}  # by exact mode and requests per pass
         self._curves: dict[tuple, CostCurve] = {}  # by (key, exact mode)
         # the routes installed so far, by mode (the target's and its drafters' linears alike),
