@@ -7,7 +7,9 @@ trained artifact or input file, with the command that makes it) and
 and every such message already names the problem and its fix. A user of the CLI
 needs that message, not the stack above it, so :func:`cli_errors` prints
 ``error: MESSAGE`` and exits with status 2. ``HYDRA_FULL_ERROR=1`` or
-``debug=true`` keeps the traceback. Ctrl-C (and SIGTERM) exits with status 130 after
+``debug=true`` keeps the traceback. A plugin's code that fails while decoding
+(:class:`~specdec.decoders.engine.plugins.PluginError`: it names the plugin and the hook) is
+no bad input: one line too, but status 1. Ctrl-C (and SIGTERM) exits with status 130 after
 the interrupted command has said what it kept and where.
 
 Hydra's own errors (an unknown option or group choice, a value of the wrong type, a
@@ -25,11 +27,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from specdec.decoders.engine.plugins import PluginError
 from specdec.decoders.engine.registry import RegistryError
 from specdec.decoders.models.architecture import UnsupportedArchitectureError
 
 USER_ERRORS = (ValueError, FileNotFoundError, RegistryError, UnsupportedArchitectureError)
 USAGE_STATUS = 2
+PLUGIN_STATUS = 1  # a plugin's code failed: the input may be fine
 INTERRUPTED_STATUS = 130
 
 
@@ -162,6 +166,11 @@ def cli_errors(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # said and kept as Ctrl-C is
         try:
             return task(cfg)
+        except PluginError as error:
+            if wants_traceback(cfg):
+                raise
+            print(f"error: {error}; debug=true shows the traceback", file=sys.stderr)
+            sys.exit(PLUGIN_STATUS)
         except USER_ERRORS as error:
             if wants_traceback(cfg):
                 raise

@@ -33,6 +33,7 @@ from typing import Protocol
 from specdec.decoders.engine.constraint import GrammarState
 from specdec.decoders.engine.draft import Acceptance, Draft, Round
 from specdec.decoders.engine.drafting import DraftSteps, run_alone
+from specdec.decoders.engine.plugins import PluginError, describe, plugin_code
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, verifier_registry
 from specdec.decoders.engine.request import GenerationStats, StopConditions
@@ -173,6 +174,7 @@ class Decoding:
         target.reset()
         logits = target.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
         check_finite(logits, "prefill")
+        self.vocab_size = logits.shape[-1]  # a draft's ids are checked against it
         if grammar is not None:
             logits = grammar.constrain(Draft.empty(), logits[None])[0]
         first = next_token(logits, sampling, self.generator)
@@ -190,7 +192,8 @@ class Decoding:
                 self.state.session = target
         self.state.grammar = grammar
         if proposer is not None:
-            proposer.begin(self.state)
+            with plugin_code(proposer, "begin"):
+                proposer.begin(self.state)
             if self.gate is not None:
                 self.gate.begin()
         # A live cost curve learns from the passes; not from those that reuse drafting work.
@@ -223,7 +226,8 @@ class Decoding:
         if not planned.drafting:
             target_logits = self.target.forward(planned.block, planned.parents)  # (n + 1, vocab)
         else:  # the proposer may reuse work done while drafting (default: target.forward)
-            target_logits = self.proposer.verify_forward(self.target, planned.block, planned.parents)  # type: ignore[union-attr]
+            with plugin_code(self.proposer, "verify_forward"):
+                target_logits = self.proposer.verify_forward(self.target, planned.block, planned.parents)  # type: ignore[union-attr]
         self.settle(planned, target_logits, time.perf_counter() - tock)
 
     def proposal(self, draft: bool = True) -> DraftSteps:
@@ -237,10 +241,12 @@ class Decoding:
             timing.at_context(len(self.target))
         drafting = proposer is not None and draft and (self.gate is None or self.gate.drafts())
         if drafting:
-            proposed = yield from proposer.drafting(state)  # type: ignore[union-attr]
+            with plugin_code(proposer, "propose"):
+                proposed = yield from proposer.drafting(state)  # type: ignore[union-attr]
         else:
             if proposer is not None:  # a round the gate keeps plain
-                proposer.skip(state)
+                with plugin_code(proposer, "skip"):
+                    proposer.skip(state)
                 self.stats.gated_rounds += 1
             proposed = Draft.empty()
         return drafting, proposed
@@ -268,6 +274,7 @@ class Decoding:
         else:
             drafting, proposed, seconds = proposal
             tick -= seconds
+        check_draft_tokens(proposed, self.vocab_size, proposer)
         timing = self._pass_times()
         draft = proposed
         if self.grammar is not None and drafting:  # no node the grammar rejects; its forced tokens added
@@ -303,7 +310,8 @@ class Decoding:
         check_finite(target_logits, "target's verification pass")
         if self.grammar is not None:  # the constrained target: forbidden tokens at -inf, row by row
             target_logits = self.grammar.constrain(draft, target_logits)
-        acceptance: Acceptance = verifier.verify(draft, target_logits, self.sampling, self.generator)
+        with plugin_code(verifier, "verify"):
+            acceptance: Acceptance = verifier.verify(draft, target_logits, self.sampling, self.generator)
         state.committed_rows = [0] + [node + 1 for node in acceptance.path]
         target.keep(planned.block_start, state.committed_rows)
         state.hidden = target.hidden
@@ -338,7 +346,9 @@ class Decoding:
         observe_seconds = 0.0
         if drafting and not self.done:
             observing = time.perf_counter()
-            proposer.observe(state, _round(planned.proposed, draft, acceptance, tock - tick, verify_seconds))  # type: ignore[union-attr]
+            with plugin_code(proposer, "observe"):
+                told = _round(planned.proposed, draft, acceptance, tock - tick, verify_seconds)
+                proposer.observe(state, told)  # type: ignore[union-attr]
             observe_seconds = time.perf_counter() - observing
             stats.observe_time += observe_seconds
             stats.draft_time += observe_seconds
@@ -352,7 +362,8 @@ class Decoding:
             raise RuntimeError("this request is not finished: step() it until done")
         if self.proposer is not None and not self.finished:
             start = time.perf_counter()
-            self.proposer.finish(self.state)
+            with plugin_code(self.proposer, "finish"):
+                self.proposer.finish(self.state)
             self.stats.wall_time += time.perf_counter() - start
         self.finished = True
         self.stats.new_tokens = len(self.tokens)
@@ -361,6 +372,17 @@ class Decoding:
             self.stats.grammar_time = self.grammar.mask_seconds
             self.stats.grammar_masks = self.grammar.masks_computed
         return GenerationOutput(self.tokens, self.stats)
+
+
+def check_draft_tokens(draft: Draft, vocab_size: int, proposer: Proposer | None) -> None:
+    """Refuse a draft holding an id outside the vocabulary before the target's pass reads it
+    (the embedding's IndexError names neither the proposer nor the id)."""
+    if draft.tokens and not 0 <= min(draft.tokens) <= max(draft.tokens) < vocab_size:
+        bad = next(t for t in draft.tokens if not 0 <= t < vocab_size)
+        raise PluginError(
+            f"{describe(proposer)} drafted token id {bad}, outside the vocabulary of {vocab_size} ids "
+            f"(0 to {vocab_size - 1}); a draft holds the target's token ids"
+        )
 
 
 def _paying(draft: Draft, proposer: Proposer | None) -> Draft:

@@ -104,6 +104,10 @@ class Registry(Generic[T]):
         self.load_entry_points()
         return name in self._classes or name in self.builtins
 
+    def plugin_classes(self) -> list[type[T]]:
+        """The registered classes that are no part of the project (plugins, entry points)."""
+        return [cls for cls in self._classes.values() if not cls.__module__.startswith("specdec.")]
+
     def load_builtins(self) -> None:
         """Import every built-in (their decorators register them and store their Configs)."""
         for name in self.builtins:
