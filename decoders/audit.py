@@ -51,7 +51,7 @@ import_plugins_from_argv()  # before Hydra composes, so plugin proposers are val
 from specdec.decoders.cli.config import CONF_DIR  # noqa: E402
 from specdec.decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
 from specdec.decoders.evaluation.audit import run_audit  # noqa: E402
-from specdec.decoders.evaluation.files import check_writable, write_json  # noqa: E402
+from specdec.decoders.evaluation.files import check_writable, held_output, write_json  # noqa: E402
 from specdec.decoders.evaluation.tracking import log_audit  # noqa: E402
 
 
@@ -66,13 +66,16 @@ def main(cfg: DictConfig) -> None:
         write_json(output, partial)
         written[:] = [partial]
 
-    try:
-        payload = run_audit(cfg, checkpoint=keep)
-    except KeyboardInterrupt:
-        kept = f"the partial record (complete: false) is in {output}" if written else "nothing had finished"
-        print(f"\n[audit] interrupted: {kept}", file=sys.stderr)
-        raise
-    write_json(output, payload)
+    with held_output(output, "audit.output"):  # another audit given this file meanwhile is refused
+        try:
+            payload = run_audit(cfg, checkpoint=keep)
+        except KeyboardInterrupt:
+            kept = (
+                f"the partial record (complete: false) is in {output}" if written else "nothing had finished"
+            )
+            print(f"\n[audit] interrupted: {kept}", file=sys.stderr)
+            raise
+        write_json(output, payload)
     for d in payload["divergences"]:
         print(
             f"  divergence: prompt {d['prompt']} position {d['position']}: standard {d['standard_token']} "

@@ -41,7 +41,7 @@ from specdec.decoders.evaluation.batching import arrival_times, run_batch_benchm
 from specdec.decoders.evaluation.bench_config import BenchConfig, bench_config
 from specdec.decoders.evaluation.bench_results import results_payload
 from specdec.decoders.evaluation.contenders import EXACT_OFF, Contender, contenders_for
-from specdec.decoders.evaluation.files import check_writable
+from specdec.decoders.evaluation.files import check_writable, held_output
 from specdec.decoders.evaluation.scheduling import measure, warm_up
 from specdec.decoders.evaluation.workloads import Prompt, load_workload, workload_config
 from specdec.decoders.models.cost import CostCurve, cached_cost_curve
@@ -54,6 +54,12 @@ def run_benchmark(cfg: DictConfig) -> dict:
     results.json written after every prompt. Returns the final payload."""
     bench = bench_config(cfg)
     check_writable(Path(bench.output), "bench.output")  # before anything slow
+    # another bench given this file while this one runs is refused
+    with held_output(Path(bench.output), "bench.output"):
+        return _run_benchmark(cfg, bench)
+
+
+def _run_benchmark(cfg: DictConfig, bench: BenchConfig) -> dict:
     load_plugins(cfg)
     check_proposer_options(cfg)
     prompts = load_workload(workload_config(cfg))  # a missing workload file: before the model loads

@@ -4,6 +4,7 @@ after loading the model, or after generating training data) before these checks.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -118,3 +119,24 @@ def test_bench_arrivals_that_cannot_be_read_are_named_before_the_model_loads(
     line = one_line(monkeypatch, capsys, "specdec.decoders.bench", "proposer=ngram", "bench.batch_size=2",
                     f"bench.arrivals={arrivals}", "workload.limit=1", f"bench.output={tmp_path}/r.json")  # fmt: skip
     assert expected in line
+
+
+def test_an_output_another_run_is_writing_is_refused_before_any_work(no_model, monkeypatch, capsys, tmp_path):
+    """Two audits given one audit.output at once both said "wrote", and one record was lost:
+    now the second is refused, naming the process that holds the file; once the first ends
+    the file is free again (and a later run overwrites it, as any output)."""
+    from specdec.decoders.evaluation.files import held_output
+
+    output = tmp_path / "audit.json"
+    with held_output(output, "audit.output"):
+        assert (tmp_path / "audit.json.lock").read_text() == str(os.getpid())
+        line = one_line(monkeypatch, capsys, "specdec.decoders.audit", f"audit.output={output}")
+        assert line == (
+            f"error: audit.output={output}: another run (process {os.getpid()}) is writing it now; "
+            "give each run at once an audit.output of its own"
+        )
+        bench = one_line(monkeypatch, capsys, "specdec.decoders.bench", f"bench.output={output}")
+        assert f"bench.output={output}: another run (process {os.getpid()})" in bench
+    assert not (tmp_path / "audit.json.lock").exists()
+    with held_output(output, "audit.output"):  # free again
+        pass
