@@ -26,6 +26,7 @@ from specdec.decoders.cli.config import (  # noqa: E402
 from specdec.decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
 from specdec.decoders.engine.constraint import grammar_source  # noqa: E402
 from specdec.decoders.engine.pipeline import Pipeline  # noqa: E402
+from specdec.decoders.engine.request import check_stop_strings  # noqa: E402
 
 
 def format_stats(stats) -> str:
@@ -47,12 +48,23 @@ def format_stats(stats) -> str:
 
 def stop_strings(setting) -> list[str]:
     """``stop=assist`` is one stop string (a bare string was split into its characters);
-    ``stop=[a,b]`` a list of them."""
+    ``stop=[a,b]`` a list of them; an empty one is refused (before the model loads)."""
     if setting is None:
         return []
-    if isinstance(setting, str):
-        return [setting]
-    return [str(item) for item in setting]
+    strings = [setting] if isinstance(setting, str) else [str(item) for item in setting]
+    check_stop_strings(strings)
+    return strings
+
+
+def constraint_verdict(stats, max_new_tokens: int, stops: bool) -> str:
+    """Whether the output is a whole sentence of the grammar, and if not, what ended it."""
+    if stats.constraint_complete:
+        return "complete"
+    if stats.new_tokens >= max_new_tokens:
+        return "INCOMPLETE (max_new_tokens ran out first)"
+    # the grammar lets the end token through only where nothing else can follow: a dead end
+    dead_end = "the grammar allows no text after this output"
+    return f"INCOMPLETE ({'a stop string, or ' + dead_end if stops else dead_end})"
 
 
 def interrupted(name: str, decoding) -> None:
@@ -102,9 +114,7 @@ def main(cfg: DictConfig) -> None:
     print(f"\n\n[{pipeline.name}]", file=sys.stderr)
     print(format_stats(result.stats), file=sys.stderr)
     if constraint is not None:
-        verdict = (
-            "complete" if result.stats.constraint_complete else "INCOMPLETE (max_new_tokens ran out first)"
-        )
+        verdict = constraint_verdict(result.stats, cfg.max_new_tokens, bool(stop_strings(cfg.stop)))
         print(f"constraint          {constraint.description}: {verdict}", file=sys.stderr)
 
 

@@ -141,6 +141,16 @@ def grammar_source(config: ConstraintConfig) -> tuple[str, str]:
     problem = llguidance.LLMatcher.validate_grammar(source)
     if problem and not problem.startswith("WARNING"):
         raise ConstraintError(f"constraint.{kind} is invalid: {_first_line(problem)}")
+    # A grammar no text matches allows only the end token from the start: decoding would end
+    # at once, empty and incomplete. Over bytes, so it is known before any model loads.
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), source, log_level=0)
+    if not matcher.is_error():  # (one naming the model's own special tokens is left to its tokenizer)
+        matcher.compute_bitmask()
+        if matcher.is_stopped() and not matcher.is_accepting():
+            raise ConstraintError(
+                f"constraint.{kind}={getattr(config, kind)} matches no text at all, so nothing could be "
+                f"generated under it; give a {kind.replace('_', ' ')} that some text matches"
+            )
     return source, f"{kind}: {title}"
 
 

@@ -26,7 +26,7 @@ from specdec.decoders.engine.context import PipelineContext, Sizing
 from specdec.decoders.engine.decoding import Decoding, RoundGate, default_verifier
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, proposer_registry, verifier_registry
-from specdec.decoders.engine.request import GenerationStats, StopConditions
+from specdec.decoders.engine.request import GenerationStats, StopConditions, check_stop_strings
 from specdec.decoders.engine.sampling import SamplingConfig
 from specdec.decoders.engine.verifier import Verifier
 from specdec.decoders.models.architecture import UnsupportedArchitectureError
@@ -105,6 +105,7 @@ class Pipeline:
                 )
         self.max_new_tokens = max_new_tokens
         self.stop_strings = tuple(stop_strings)
+        check_stop_strings(self.stop_strings)
         self.chat_template = chat_template
         # round_gate: whether a round drafts at all is decided from earlier rounds
         # (decoders/sizing/round_gate.py; off by default: measured, it has not paid yet). A

@@ -66,6 +66,15 @@ class GenerationStats:
         }
 
 
+def check_stop_strings(stop_strings) -> None:
+    """Refuse an empty stop string: every text holds it, so it would end every output after
+    its first token, silently."""
+    if any(not text for text in stop_strings):
+        raise ValueError(
+            f"stop={list(stop_strings)}: an empty stop string ends every output at once; remove it"
+        )
+
+
 @dataclass
 class StopConditions:
     max_new_tokens: int
@@ -76,6 +85,7 @@ class StopConditions:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_stop_strings(self.stop_strings)
         if self.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the output")
 

@@ -66,6 +66,11 @@ class ModelConfig:
     num_layers: int = 2
     seed: int = 0
 
+    def __post_init__(self) -> None:  # a device or dtype no model can run on: refused before it loads
+        resolve_device(self.device)
+        if self.dtype != "auto":
+            check_dtype(self.dtype)
+
 
 def cache_dir() -> Path:
     """Root of the project's caches (models, cost curves); ``SPECDEC_CACHE`` overrides it."""
@@ -84,7 +89,23 @@ def resolve_device(device: str) -> torch.device:
             f"model.device={device}: this PyTorch ({torch.__version__}) sees no CUDA device; "
             "use model.device=cpu (or auto)"
         )
+    if resolved.type == "meta":  # allocates, but holds no values: the first pass would fail deep inside
+        raise ValueError(
+            f"model.device={device}: meta tensors hold no values, so no pass can run on them; "
+            "use model.device=cpu, cuda or auto"
+        )
+    try:  # a device type this PyTorch names but cannot allocate on (mps, xpu, a missing ordinal)
+        torch.empty(1, device=resolved)
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0][:160]
+        raise ValueError(
+            f"model.device={device}: this PyTorch ({torch.__version__}) cannot allocate there ({first}); "
+            "use model.device=cpu, cuda or auto"
+        ) from None
     return resolved
+
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # a model's weights: floating point
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -92,13 +113,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda":
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    try:
-        resolved = getattr(torch, dtype)
-    except AttributeError:
-        resolved = None
-    if not isinstance(resolved, torch.dtype):
+    return check_dtype(dtype)
+
+
+def check_dtype(dtype: str) -> torch.dtype:
+    """``model.dtype`` as a torch dtype the weights can take, or one line naming the choices
+    (an integer dtype used to fail inside the model's loading, blaming the model folder)."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if resolved not in {getattr(torch, name) for name in DTYPES}:
         raise ValueError(
-            f"model.dtype={dtype!r} is not a torch dtype; use auto, float32, bfloat16, float16 or float64."
+            f"model.dtype={dtype}: not a dtype for a model's weights; use auto, {', '.join(DTYPES)}"
         )
     return resolved
 

@@ -329,6 +329,23 @@ def test_bad_constraints_are_refused_in_one_line(tiny_pipeline, tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith("error: constraint.regex is invalid")
 
 
+def test_a_constraint_no_text_matches_is_refused_and_a_dead_end_is_said(tiny_pipeline):
+    """A regex nothing matches let only the end token through: an empty output, reported as
+    cut short by max_new_tokens. It is refused where it compiles (on the command line, before
+    the model loads); a grammar that dead-ends later is reported as that, not as the budget."""
+    from specdec.decoders.engine.constraint import ConstraintConfig, grammar_source
+    from specdec.decoders.generate import constraint_verdict
+
+    for config in ({"regex": r"[^\s\S]"}, {"regex": r"a[^\s\S]b"}, {"grammar": "start: /[^\\s\\S]/"}):
+        with pytest.raises(ConstraintError, match="matches no text at all.*that some text matches"):
+            grammar_source(ConstraintConfig(**config))
+    assert tiny_pipeline.constraint({"regex": "a{0}"})  # the empty text matches: kept
+    result = tiny_pipeline.generate([5, 6, 7], 16, constraint={"grammar": 'start: "a" x\nx: /[^\\s\\S]/'})
+    assert len(result.tokens) < 16 and result.stats.constraint_complete is False
+    verdict = constraint_verdict(result.stats, 16, stops=False)
+    assert verdict == "INCOMPLETE (the grammar allows no text after this output)"
+
+
 def test_an_unconstrained_run_never_loads_the_grammar_engine(tmp_path):
     script = (
         "import sys\n"

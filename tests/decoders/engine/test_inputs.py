@@ -103,3 +103,31 @@ def test_bad_dtype_and_model_names():
 
     with pytest.raises(ValueError, match="model.name_or_path"):
         load_model(ModelConfig(name="hf"))
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ({"device": "meta"}, "model.device=meta: meta tensors hold no values.*use model.device=cpu"),
+        ({"device": "cuda:99"}, "model.device=cuda:99: "),  # no CUDA here, or no 100th card
+        ({"dtype": "int8"}, "model.dtype=int8: .*use auto, float32, bfloat16, float16, float64"),
+        ({"dtype": "float8_e4m3fn"}, "model.dtype=float8_e4m3fn: "),
+    ],
+)
+def test_a_device_or_dtype_no_model_runs_on_is_refused_by_the_config(setting, expected):
+    """Refused where the options become a ModelConfig, before any model loads (meta failed in
+    sampling, int8 inside the model's loading, blaming the model folder)."""
+    with pytest.raises(ValueError, match=expected):
+        ModelConfig(name="tiny-random", **setting)
+
+
+def test_an_empty_stop_string_is_refused(tiny_model, tiny_config):
+    """Every text holds the empty string: it ended every output after one token, silently."""
+    from specdec.decoders import Pipeline
+    from specdec.decoders.engine.request import StopConditions
+
+    model, tokenizer = tiny_model
+    with pytest.raises(ValueError, match=r"stop=\['\\n', ''\]: an empty stop string ends every output"):
+        Pipeline(model, tokenizer, model_config=tiny_config, stop_strings=["\n", ""])
+    with pytest.raises(ValueError, match="an empty stop string"):
+        StopConditions(8, stop_strings=("",), tokenizer=tokenizer)
