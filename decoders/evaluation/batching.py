@@ -7,8 +7,11 @@ Every pipeline decodes the workload's prompts with :meth:`Pipeline.generate_batc
 start by default; a rate in requests per second, seeded exponential gaps; or a list of
 seconds). transformers' ``generate`` has no continuous batching: it decodes the prompts in
 groups of ``size``, left-padded, a group after the previous one (all arrived at the start).
-At each size the contenders take turns (the order rotating from repeat to repeat) after one
-warm-up batch each; a row reports total new tokens per second, the speedup over batched
+At each size the contenders take turns (the order rotating from run to run) after one
+warm-up batch each, ``bench.repeats`` runs each, and more, up to ``bench.batch_repeats``, while
+the A/A twin is outside its ±3% band: every contender runs once per run, so each added run
+averages the machine's drift into every comparison alike (:func:`measure_size`). A size larger
+than the workload's prompts is measured, and labelled, as the batch they fill; a row reports total new tokens per second, the speedup over batched
 standard decoding at that size, per-request latency (median, p90: arrival to last token),
 the draft tokens per request per pass, ``plain``: the share of passes the batch gate kept
 plain (:mod:`specdec.decoders.sizing.batch_gate`), and ``same``: the share of requests whose output is
@@ -19,6 +22,7 @@ noise band of that size's figures.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import sys
@@ -156,7 +160,7 @@ def hf_runner(model: torch.nn.Module, eos: list[int], max_new_tokens: int) -> Ru
 def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipeline], prompts: list) -> dict:
     """Every batchable pipeline, batched standard decoding and (``bench.peers``) batched
     ``hf_generate`` at each of ``bench.batch_size``'s sizes; results.json written after each size."""
-    sizes = bench.batch_sizes
+    sizes = reached_sizes(bench.batch_sizes, len(prompts))
     ids = [base.encode(prompt.turns[0]) for prompt in prompts]
     arrivals = arrival_times(bench.arrivals, len(ids))
     runners: dict[str, Runner] = {STANDARD: pipeline_runner(base, bench.max_new_tokens)}
@@ -187,20 +191,24 @@ def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipe
         "machine": machine_info(base.session.device),
         "prompts": len(ids),
         "max_new_tokens": bench.max_new_tokens,
-        "batch_sizes": sizes,
+        "batch_sizes": sizes,  # those the prompts fill: bench.batch_size's, each cut to the prompts
+        "batch_sizes_asked": bench.batch_sizes,
         "arrivals": bench.arrivals,
         "repeats": bench.repeats,
+        "batch_repeats": bench.batch_repeats,
         "rows": rows,
     }
     names = list(runners)
     progress = tqdm(total=len(sizes) * bench.repeats * len(names), desc="batches", file=sys.stderr)
+
+    def run_once(name: str, size: int) -> BatchRun:
+        if progress.n >= progress.total:  # a run past bench.repeats: the twin was outside its band
+            progress.total += 1
+        progress.update()
+        return runners[name](ids, size, arrivals)
+
     for size in sizes:
-        runs: dict[str, list[BatchRun]] = {name: [] for name in names}
-        for repeat in range(bench.repeats):
-            shift = repeat % len(names)
-            for name in names[shift:] + names[:shift]:
-                runs[name].append(runners[name](ids, size, arrivals))
-                progress.update()
+        runs = measure_size(functools.partial(run_once, size=size), names, bench.repeats, bench.batch_repeats)
         rows += size_rows(size, runs, reference)
         payload["stop_estimates"] = stop_estimates(
             rows, cost_model, max(sizes), base.target.widest_exact_pass
@@ -208,6 +216,52 @@ def run_batch_benchmark(bench: BenchConfig, base: Pipeline, pipelines: list[Pipe
         write_json(Path(bench.output), payload)
     progress.close()
     return payload
+
+
+def reached_sizes(sizes: list[int], prompts: int) -> list[int]:
+    """The batch sizes ``prompts`` requests fill: each of ``sizes`` cut to ``prompts`` (a batch
+    of 64 over 6 prompts never holds more than 6, and was labelled 64), once each; a cut is said."""
+    reached = list(dict.fromkeys(min(size, prompts) for size in sizes))
+    cut = [size for size in sizes if size > prompts]
+    if cut:
+        print(
+            f"[bench] bench.batch_size: {prompts} prompts never fill a batch of {', '.join(map(str, cut))}; "
+            f"measured and labelled as batch {prompts}"
+            + (" (once)" if len(reached) < len(sizes) else "")
+            + "; give more prompts (workload.limit) for larger batches",
+            file=sys.stderr,
+        )
+    return reached
+
+
+def run_rate(run: BatchRun) -> float:
+    return sum(map(len, run.tokens)) / run.seconds
+
+
+def twin_speedup(runs: dict[str, list[BatchRun]]) -> float | None:
+    """The A/A twin's speedup over standard decoding in ``runs`` (None without a twin)."""
+    if AA not in runs or not runs[AA]:
+        return None
+    return statistics.mean(map(run_rate, runs[AA])) / statistics.mean(map(run_rate, runs[STANDARD]))
+
+
+def measure_size(
+    run_once: Callable[[str], BatchRun], names: list[str], least: int, most: int
+) -> dict[str, list[BatchRun]]:
+    """Each contender's runs at one batch size. A run runs every contender once, the order
+    rotating from run to run; ``least`` runs, then more, up to ``most`` in all, while the A/A
+    twin's speedup (over the runs so far) is outside its band. Stopping once the twin is inside
+    favours runs whose noise happened to cancel: the rows report the runs taken and the
+    per-run spread of each speedup, the honest measure of the noise."""
+    runs: dict[str, list[BatchRun]] = {name: [] for name in names}
+    while True:
+        done = len(runs[names[0]])
+        shift = done % len(names)
+        for name in names[shift:] + names[:shift]:
+            runs[name].append(run_once(name))
+        twin = twin_speedup(runs)
+        if done + 1 >= max(least, most) or (done + 1 >= least and (twin is None or aa_within(twin))):
+            return runs
 
 
 def stop_estimate(
@@ -312,8 +366,9 @@ def stop_estimates(rows: list[dict], curve, largest: int, widest: int | None = N
 
 
 def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[int]]) -> list[dict]:
-    """One row per contender at one batch size (means over repeats)."""
-    rates = {name: [sum(map(len, r.tokens)) / r.seconds for r in each] for name, each in runs.items()}
+    """One row per contender at one batch size (means over its runs; ``speedup_spread``: the
+    standard deviation of its speedups run by run, each over that run's standard decoding)."""
+    rates = {name: [run_rate(r) for r in each] for name, each in runs.items()}
     standard = statistics.mean(rates[STANDARD])
     rows = []
     for name, each in runs.items():
@@ -325,6 +380,8 @@ def size_rows(size: int, runs: dict[str, list[BatchRun]], reference: list[list[i
                 "batch_size": size,
                 "tokens_per_s": statistics.mean(rates[name]),
                 "speedup": statistics.mean(rates[name]) / standard,
+                "runs": len(each),
+                "speedup_spread": _spread([r / s for r, s in zip(rates[name], rates[STANDARD])]),
                 "latency_median": statistics.median(latencies),
                 "latency_p90": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
                 "drafted_per_request": statistics.mean(run.drafted_per_request for run in each),
@@ -355,10 +412,7 @@ def format_batch_table(payload: dict) -> str:
     for size in payload["batch_sizes"]:
         twin = next((r for r in payload["rows"] if r["pipeline"] == AA and r["batch_size"] == size), None)
         if twin is not None:
-            verdict = "within" if aa_within(twin["speedup"]) else "warning: outside"
-            lines.append(
-                f"A/A twin at batch {size}: {twin['speedup']:.3f}x, {verdict} ±{AA_TOLERANCE:.0%} (the noise band)"
-            )
+            lines.append(twin_line(twin, payload))
     for name, estimate in (payload.get("stop_estimates") or {}).items():
         searched = estimate.get("searched_to", 4 * max(payload["batch_sizes"]))
         lines.append(
@@ -373,6 +427,26 @@ def format_batch_table(payload: dict) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def twin_line(twin: dict, payload: dict) -> str:
+    """The A/A twin's verdict at one size, with the runs it took and their spread."""
+    within = aa_within(twin["speedup"])
+    runs = twin.get("runs", payload.get("repeats", 1))
+    line = (
+        f"A/A twin at batch {twin['batch_size']}: {twin['speedup']:.3f}x, "
+        f"{'within' if within else 'warning: outside'} ±{AA_TOLERANCE:.0%} (the noise band)"
+    )
+    line += f" after {runs} run{'s' if runs != 1 else ''}"
+    if runs > 1:
+        line += f", spread ±{twin.get('speedup_spread', 0.0):.1%} run to run"
+    if not within and runs >= payload.get("batch_repeats", runs) > payload.get("repeats", 1):
+        line += f" (bench.batch_repeats={payload['batch_repeats']} reached: give it more runs, or a quieter machine)"
+    return line
+
+
+def _spread(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def batch_plots(payload: dict, folder: Path) -> list[Path]:

@@ -51,6 +51,10 @@ class BenchConfig:
     # batch mode (decoders/evaluation/batching.py): a size or a list of sizes, e.g. [1,2,4,8,16]:
     # throughput and latency of batched decoding instead of the per-prompt speedups; null = off
     batch_size: Any = None
+    # batch mode: runs of each size while its A/A twin is outside ±3%, at most (bench.repeats at
+    # least; each run runs every contender once, in turn): one run per size left the twin at
+    # 0.89x to 1.05x on a quiet machine
+    batch_repeats: int = 4
     # batch mode: when the requests arrive (continuous batching): null = all at the start, a
     # rate in requests per second (seeded exponential gaps), or a list of seconds, one per prompt
     arrivals: Any = None
@@ -67,7 +71,7 @@ class BenchConfig:
         )
 
     def __post_init__(self) -> None:
-        for option in ("repeats", "max_new_tokens"):
+        for option in ("repeats", "max_new_tokens", "batch_repeats"):
             if int(getattr(self, option)) < 1:
                 raise ValueError(f"bench.{option}={getattr(self, option)}: must be at least 1")
         if self.batch_size is not None and (

@@ -4,6 +4,7 @@ decoding each request alone, the plots, and its options refused in one line when
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -161,3 +162,90 @@ def test_estimates_from_a_small_batch_search_up_to_exact_modes_widest_pass():
     table = format_batch_table(payload)
     assert "suffix+tree" in table and "stops paying at batch size 25; any draft token" in table
     assert "stops paying at batch size 48 (exact mode: a pass holds at most 48 rows" in table
+
+
+def scripted_runs(seconds: dict[str, list[float]]):
+    """A run_once for measure_size whose runs take the scripted seconds (10 tokens each), in
+    the order asked, and the order it was asked in: no test here reads the machine's clock."""
+    from specdec.decoders.evaluation.batching import BatchRun
+
+    asked: list[str] = []
+
+    def run_once(name: str) -> BatchRun:
+        asked.append(name)
+        taken = seconds[name][sum(1 for n in asked if n == name) - 1]
+        return BatchRun([[0] * 10], taken, [taken], 0.0)
+
+    return run_once, asked
+
+
+NAMES = ["standard", "ngram+greedy", "standard (A/A)"]
+
+
+def test_a_size_runs_again_while_its_twin_is_outside_its_band():
+    """Run 1: the twin at 0.89x (outside ±3%); run 2 brings the mean of its rates to within
+    1% of standard's: two runs, the contenders in turn, the order rotating."""
+    from specdec.decoders.evaluation.batching import measure_size, size_rows, twin_speedup
+
+    run_once, asked = scripted_runs(
+        {"standard": [1.0, 1.0, 1.0], "ngram+greedy": [0.5, 0.5, 0.5], "standard (A/A)": [1.125, 0.89, 1.0]}
+    )
+    runs = measure_size(run_once, NAMES, least=1, most=4)
+    assert asked == NAMES + NAMES[1:] + NAMES[:1]  # run 2 starts with the next contender
+    assert twin_speedup(runs) == pytest.approx(1.0, abs=0.01)
+    rows = {row["pipeline"]: row for row in size_rows(4, runs, [[0] * 10])}
+    assert rows["standard (A/A)"]["runs"] == 2 and rows["ngram+greedy"]["speedup"] == pytest.approx(2.0)
+    assert rows["standard (A/A)"]["speedup_spread"] == pytest.approx(statistics.stdev([1 / 1.125, 1 / 0.89]))
+
+
+def test_a_size_stops_at_batch_repeats_and_runs_bench_repeats_at_least():
+    from specdec.decoders.evaluation.batching import measure_size
+
+    noisy, asked = scripted_runs(
+        {"standard": [1.0] * 9, "ngram+greedy": [1.0] * 9, "standard (A/A)": [1.2] * 9}
+    )
+    assert len(measure_size(noisy, NAMES, least=1, most=3)["standard"]) == 3  # outside every time: the cap
+    quiet, asked = scripted_runs({name: [1.0] * 9 for name in NAMES})
+    assert len(measure_size(quiet, NAMES, least=2, most=3)["standard"]) == 2  # within at once: bench.repeats
+    without_twin, asked = scripted_runs({name: [1.0, 2.0, 3.0] for name in NAMES[:2]})
+    assert len(measure_size(without_twin, NAMES[:2], least=1, most=3)["standard"]) == 1  # bench.aa=false
+
+
+def test_the_twin_line_says_the_runs_it_took_and_whether_the_cap_was_reached():
+    from specdec.decoders.evaluation.batching import twin_line
+
+    payload = {"repeats": 1, "batch_repeats": 4}
+    inside = {"batch_size": 4, "speedup": 1.01, "runs": 2, "speedup_spread": 0.031}
+    assert twin_line(inside, payload) == (
+        "A/A twin at batch 4: 1.010x, within ±3% (the noise band) after 2 runs, spread ±3.1% run to run"
+    )
+    outside = {"batch_size": 1, "speedup": 0.89, "runs": 4, "speedup_spread": 0.08}
+    assert twin_line(outside, payload).endswith(
+        "warning: outside ±3% (the noise band) after 4 runs, spread ±8.0% run to run "
+        "(bench.batch_repeats=4 reached: give it more runs, or a quieter machine)"
+    )
+
+
+def test_sizes_the_prompts_cannot_fill_are_cut_to_them_and_said(capsys):
+    """bench.batch_size=64 over 6 prompts was labelled batch 64; [1,4,16] over 12 reported a
+    batch 16 that never held more than 12."""
+    from specdec.decoders.evaluation.batching import reached_sizes
+
+    assert reached_sizes([1, 4, 16], 12) == [1, 4, 12]
+    assert capsys.readouterr().err == (
+        "[bench] bench.batch_size: 12 prompts never fill a batch of 16; measured and labelled as batch 12; "
+        "give more prompts (workload.limit) for larger batches\n"
+    )
+    assert reached_sizes([6, 8, 64], 6) == [6]
+    assert "never fill a batch of 8, 64; measured and labelled as batch 6 (once)" in capsys.readouterr().err
+    assert reached_sizes([1, 2], 6) == [1, 2] and capsys.readouterr().err == ""
+
+
+def test_a_batch_larger_than_the_workload_is_labelled_as_the_batch_it_is(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    overrides = ["proposer=ngram", "bench.batch_size=[2,8]", "bench.aa=false", "bench.max_new_tokens=2"]
+    run_bench(monkeypatch, tiny_overrides(write_workload(tmp_path), f"hydra.run.dir={run_dir}", *overrides))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["batch_sizes"] == [2, 3] and results["batch_sizes_asked"] == [2, 8]
+    assert {row["batch_size"] for row in results["rows"]} == {2, 3}
+    assert "3 prompts never fill a batch of 8" in capsys.readouterr().err
