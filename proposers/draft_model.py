@@ -75,6 +75,7 @@ from specdec.decoders.models.loading import (
     tiny_draft_model,
 )
 from specdec.decoders.models.target import Target
+from specdec.decoders.sizing.policy import TreeOptions, tree_shape
 from specdec.proposers.vocabulary import ReducedVocabulary
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -94,7 +95,7 @@ class DraftModelProposer(Proposer):
     presets = (Preset("draft_model_chain", {"tree": False, "k": 4}),)
 
     @dataclass
-    class Config:
+    class Config(TreeOptions):
         # The defaults are the best configuration measured on the default target (held-out
         # Spec-Bench, float32: 1.07x where the chain of 4 over the full vocabulary ran 0.53x):
         # a one-level dynamic tree over the 4,096 likeliest tokens, sized from T(n).
@@ -103,11 +104,7 @@ class DraftModelProposer(Proposer):
         # (a smaller seeded model for tiny-random, the distilled draft under artifacts/).
         name_or_path: str | None = None
         dtype: str = "auto"
-        tree: bool = True  # EAGLE-2-style dynamic tree; false: a chain of k tokens
-        tree_width: int = 4  # children per expanded node, and nodes expanded per level
-        # nodes kept after reranking: an int; "auto" (each round's best size from the target's
-        # cost curve and the acceptance measured per depth and confidence); null = all
-        tree_budget: Any = "auto"
+        tree: Any = "dynamic"  # EAGLE-2-style dynamic tree; null: a chain of k tokens
         # null = the full vocabulary; N = draft only over the N tokens the target outputs
         # most often (FR-Spec), from draft_vocab.json next to the distilled draft; "auto" =
         # 4,096 of them where the draft has that file, else the full vocabulary
@@ -116,6 +113,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
+        config.tree = tree_shape(config.tree, "draft_model")
         if config.k < 1:
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
         self.tree = context.sizing.dynamic_tree(config.tree_width, config.k, config.tree_budget)
@@ -140,7 +138,7 @@ class DraftModelProposer(Proposer):
 
     @property
     def drafts_trees(self) -> bool:
-        return self.config.tree
+        return self.config.tree is not None
 
     @property
     def sampled(self) -> bool:

@@ -150,6 +150,33 @@ def _path(node: int, rows: list[int], parents: list[int]) -> list[int]:
     return path[::-1]
 
 
+@dataclass
+class TreeOptions:
+    """The tree options of every proposer that drafts trees, declared once: its ``Config``
+    derives from this (and may change a default to its best measured configuration)."""
+
+    # null (or false) = a chain; dynamic (or true) = a tree grown each round from the drafter's
+    # confidence (this module); medusa also takes a list of rank paths or auto (its stored tree)
+    tree: Any = None
+    tree_width: int = 4  # dynamic trees: children per expanded node, nodes expanded per level
+    # nodes kept: an int; auto = each round's best size from T(n) and the acceptance measured
+    # per depth and confidence (static trees: the best prefix of their paths); null = all
+    tree_budget: Any = "auto"
+
+
+def tree_shape(value: Any, proposer: str, static: bool = False) -> Any:
+    """``tree`` in one spelling: None (a chain), ``"dynamic"``, or, where ``static`` trees are
+    taken, ``"auto"`` or the list of rank paths as given; anything else refused in one line."""
+    if value is None or value is False:
+        return None
+    if value is True or value == "dynamic":
+        return "dynamic"
+    if static and (value == "auto" or (not isinstance(value, str) and hasattr(value, "__iter__"))):
+        return value
+    choices = "null (a chain) or dynamic" + (", auto or a list of rank paths" if static else "")
+    raise ValueError(f"proposer.tree={value!r}: proposer {proposer!r} takes {choices}")
+
+
 def confidence_key(depth: int, probability: float, max_depth: int = 3) -> tuple[int, int]:
     """A dynamic tree node's key in :meth:`AcceptanceStats.confident` statistics:
     (depth, capped at ``max_depth``; the bucket of the drafter's probability)."""

@@ -36,7 +36,12 @@ from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.sizing.acceptance import AcceptanceStats, confidence_bucket
 from specdec.decoders.sizing.batch_gate import BatchGate
 from specdec.decoders.sizing.draft_length import DraftLengthPolicy
-from specdec.decoders.sizing.dynamic_tree import DynamicTree, confidence_key
+from specdec.decoders.sizing.dynamic_tree import (  # noqa: F401  (TreeOptions, tree_shape: proposers' tree options)
+    DynamicTree,
+    TreeOptions,
+    confidence_key,
+    tree_shape,
+)
 from specdec.decoders.sizing.round_gate import RoundGate
 from specdec.decoders.sizing.search import (
     MIN_GAIN,

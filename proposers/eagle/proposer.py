@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -31,6 +30,7 @@ from specdec.decoders.engine.proposer import Proposer, constrained_rows, draft_t
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite
 from specdec.decoders.models.target import Target
+from specdec.decoders.sizing.policy import TreeOptions, tree_shape
 from specdec.proposers.copy_attention import ContextMemory, MemoryStore, drafting_log_probs
 from specdec.proposers.eagle.artifact import CONFIG_FILE, load_artifact
 from specdec.proposers.eagle.drafter import check_llama_style, target_features
@@ -45,22 +45,17 @@ class EagleProposer(Proposer):
     trainer = "specdec.train.eagle"
 
     @dataclass
-    class Config:
+    class Config(TreeOptions):  # tree: null (a chain) by default
         # Artifact directory; null = <artifacts_dir>/<target>/eagle.
         path: str | None = None
         k: int = 4  # chain: most tokens per draft; tree: its depth
-        tree: bool = False  # EAGLE-2 dynamic tree (decoders/sizing/dynamic_tree.py) instead of a chain
-        tree_width: int = 4  # trees: children per expanded node, nodes expanded per level
-        # trees: nodes kept, an int, "auto" (each round's best size from T(n) and the
-        # acceptance measured per depth and confidence) or null (all candidates)
-        tree_budget: Any = "auto"
         # chains: cut each draft to the length that pays, from acceptance measured per
         # first-token confidence and the target's T(n) (decoders/sizing/draft_length.py)
         adaptive: bool = True
 
     @property
     def drafts_trees(self) -> bool:
-        return self.config.tree
+        return self.config.tree is not None
 
     @property
     def sampled(self) -> bool:
@@ -76,6 +71,7 @@ class EagleProposer(Proposer):
 
     def __init__(self, config: Config, context) -> None:
         super().__init__(config, context)
+        config.tree = tree_shape(config.tree, "eagle")
         if config.k < 1:
             raise ValueError(f"proposer.k must be >= 1, got {config.k}")
         check_llama_style(context.target.model)  # before asking for an artifact it could never have

@@ -51,7 +51,7 @@ from specdec.decoders.engine.files import readable_artifact
 from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite, processed_probs
-from specdec.decoders.sizing.policy import SizingPolicy
+from specdec.decoders.sizing.policy import SizingPolicy, TreeOptions, tree_shape
 from specdec.proposers.copy_attention import ContextMemory, MemoryStore
 from specdec.proposers.medusa.artifact import CONFIG_FILE, load_artifact
 from specdec.proposers.medusa.heads import HeadStep, MedusaHeads
@@ -140,6 +140,7 @@ def _check_options(config) -> None:
             f"proposer.sibling_sampling must be without_replacement or iid, got {config.sibling_sampling!r}"
         )
     SizingPolicy.check_budget(config.tree_budget)
+    config.tree = tree_shape(config.tree, "medusa", static=True)
 
 
 @register_proposer("medusa")
@@ -149,21 +150,15 @@ class MedusaProposer(Proposer):
     trainer = "specdec.train.medusa"
 
     @dataclass
-    class Config:
+    class Config(TreeOptions):
         # Artifact directory; null = <artifacts_dir>/<target>/medusa.
         path: str | None = None
         # Heads used (the chain length); null = all the artifact has.
         num_heads: int | None = None
-        # null = chain of top-1 tokens; a list of Medusa choice paths, e.g.
-        # [[0], [1], [0, 0]]; "auto" = the tree stored with the artifact; "dynamic" =
-        # grown each round from the heads' confidence (decoders/sizing/dynamic_tree.py).
-        tree: Any = None
-        # trees: nodes kept, the first N of the tree's paths (ordered by expected
-        # acceptance) or the N most probable of a dynamic tree's candidates; null = all;
-        # "auto" = chosen from the target's T(n) and the acceptance measured so far
-        # (decoders/sizing/tree_budget.py; per round for dynamic trees)
+        # tree (TreeOptions): null = chain of top-1 tokens; a list of Medusa choice paths,
+        # e.g. [[0], [1], [0, 0]]; auto = the tree stored with the artifact; dynamic = grown
+        # each round from the heads' confidence. tree_budget: null here (every path)
         tree_budget: Any = None
-        tree_width: int = 4  # dynamic trees: children per expanded node, nodes expanded per level
         # sampled static trees: "without_replacement" (siblings distinct, each from the parent's
         # distribution without the earlier siblings' tokens) or "iid" (independent draws)
         sibling_sampling: str = "without_replacement"
@@ -406,4 +401,4 @@ class CopyHeadsProposer(MedusaProposer):
     @dataclass
     class Config(MedusaProposer.Config):
         tree: Any = "dynamic"
-        tree_budget: Any = "auto"
+        tree_budget: Any = "auto"  # (the copy heads' best measured: a dynamic tree sized from T(n))

@@ -4,12 +4,15 @@ every proposer's drafts are."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from specdec.decoders.engine.pipeline import Pipeline
+from specdec.decoders.engine.registry import proposer_registry
 from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.dynamic_tree import TreeOptions, tree_shape
 from specdec.decoders.sizing.policy import SizingPolicy
 from tests.conftest import random_prompts
 
@@ -137,3 +140,23 @@ def test_a_batchs_drafts_are_chosen_together_by_the_whole_pass():
     steep = CostCurve({1: 1.0, 64: 64.0})
     batched = SizingPolicy(lambda: curve, batch_curve=lambda requests: steep)
     assert batched.joint([(chain, [0.9, 0.8, 0.7]), ([-1, 0], [0.95, 0.2])]) == [[], []]
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "eagle", "medusa", "copy_heads"])
+def test_tree_options_are_declared_once(proposer):
+    """Every tree-drafting proposer takes the same tree options, of one type, from one
+    declaration (``TreeOptions``); a static tree is medusa's alone, refused elsewhere in one line."""
+    config = proposer_registry.get(proposer).Config
+    assert issubclass(config, TreeOptions)
+    types = {f.name: f.type for f in dataclasses.fields(config) if f.name.startswith("tree")}
+    assert types == {f.name: f.type for f in dataclasses.fields(TreeOptions)}
+    static = proposer in ("medusa", "copy_heads")
+    assert tree_shape(True, proposer, static) == tree_shape("dynamic", proposer, static) == "dynamic"
+    assert tree_shape(False, proposer, static) is None and tree_shape(None, proposer, static) is None
+    if static:
+        assert tree_shape([[0], [1]], proposer, static) == [[0], [1]]
+    else:
+        with pytest.raises(
+            ValueError, match=r"proposer.tree=\[\[0\]\]: proposer .* takes null \(a chain\) or dynamic$"
+        ):
+            tree_shape([[0]], proposer, static)
