@@ -3,9 +3,9 @@
     prefill(prompt)                       -> the target chooses the first token
     loop until EOS / stop string / max_new_tokens:
         draft  = proposer.propose(state)  (empty without a proposer)
-        logits = target.forward([pending] + draft)    ONE pass, tree mask if needed
+        logits = session.forward([pending] + draft)   ONE pass, tree mask if needed
         result = verifier.verify(draft, logits)       accepted path + 1 target token
-        target.keep(accepted)             rejected nodes' KV entries dropped
+        session.keep(accepted)            rejected nodes' KV entries dropped
         proposer.observe(state, round)    the proposer's own draft, its accepted path in
                                           the draft's numbering, draft and verify seconds
 
@@ -104,7 +104,7 @@ def standard_verifier(sampling: SamplingConfig) -> Verifier:
 
 
 def decode(
-    target: ModelSession,
+    session: ModelSession,
     prompt_ids: list[int],
     stop: StopConditions,
     sampling: SamplingConfig,
@@ -116,7 +116,7 @@ def decode(
 ) -> GenerationOutput:
     """Generate after ``prompt_ids``: standard decoding without a proposer, else speculative
     (every round drafted, or as ``gate`` decides); under ``grammar``'s constraint if given."""
-    decoding = Decoding(target, prompt_ids, stop, sampling, proposer, verifier, on_tokens, gate, grammar)
+    decoding = Decoding(session, prompt_ids, stop, sampling, proposer, verifier, on_tokens, gate, grammar)
     while not decoding.done:
         decoding.step()
     return decoding.output()
@@ -134,7 +134,7 @@ class Decoding:
 
     def __init__(
         self,
-        target: ModelSession,
+        session: ModelSession,
         prompt_ids: list[int],
         stop: StopConditions,
         sampling: SamplingConfig,
@@ -151,13 +151,13 @@ class Decoding:
         verifier.check(sampling)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if target.max_positions and len(prompt_ids) + stop.max_new_tokens > target.max_positions:
+        if session.max_positions and len(prompt_ids) + stop.max_new_tokens > session.max_positions:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({stop.max_new_tokens}) exceeds "
-                f"the model's context of {target.max_positions} tokens; shorten the prompt or lower "
+                f"the model's context of {session.max_positions} tokens; shorten the prompt or lower "
                 "max_new_tokens."
             )
-        self.target, self.stop, self.sampling = target, stop, sampling
+        self.session, self.stop, self.sampling = session, stop, sampling  # the request's target session
         self.proposer, self.verifier, self.on_tokens = proposer, verifier, on_tokens
         self.grammar = grammar
         if gate is not None and proposer is not None and proposer.drafts_in_target:
@@ -168,11 +168,11 @@ class Decoding:
         self.gate = gate if proposer is not None else None
         self.stats = GenerationStats()
         self.finished = False  # output() has told the proposer
-        self.generator = sampling.generator(target.device)
+        self.generator = sampling.generator(session.device)
         start = time.perf_counter()
 
-        target.reset()
-        logits = target.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
+        session.reset()
+        logits = session.forward(prompt_ids, last_only=True)[-1]  # (vocab,)
         check_finite(logits, "prefill")
         self.vocab_size = logits.shape[-1]  # a draft's ids are checked against it
         if grammar is not None:
@@ -185,11 +185,11 @@ class Decoding:
         if on_tokens:
             on_tokens(self.tokens)
         self.state = DecodeState(
-            list(prompt_ids) + self.tokens, len(prompt_ids), sampling, self.generator, target.hidden
+            list(prompt_ids) + self.tokens, len(prompt_ids), sampling, self.generator, session.hidden
         )
         if proposer is not None:
             if proposer.drafts_in_target:
-                self.state.session = target
+                self.state.session = session
         self.state.grammar = grammar
         if proposer is not None:
             with plugin_code(proposer, "begin"):
@@ -199,13 +199,13 @@ class Decoding:
         # A live cost curve learns from the passes; not from those that reuse drafting work.
         self.timed = proposer is None or not proposer.drafts_in_target
         # Exact mode keeps a pass's rows exact up to a width; wider drafts are cut to fit.
-        owner = getattr(target, "target", None)  # the Target whose passes these are (None: a bare session)
+        owner = getattr(session, "target", None)  # the Target whose passes these are (None: a bare session)
         self.widest = owner.widest_exact_pass if owner is not None else None
         self.stats.wall_time += time.perf_counter() - start
 
     def _pass_times(self):
         """The target's live pass times, once some pipeline over it follows its live cost."""
-        owner = getattr(self.target, "target", None)
+        owner = getattr(self.session, "target", None)
         return owner.pass_times() if owner is not None else None
 
     @property
@@ -224,10 +224,10 @@ class Decoding:
         planned = self.plan()
         tock = time.perf_counter()
         if not planned.drafting:
-            target_logits = self.target.forward(planned.block, planned.parents)  # (n + 1, vocab)
-        else:  # the proposer may reuse work done while drafting (default: target.forward)
+            target_logits = self.session.forward(planned.block, planned.parents)  # (n + 1, vocab)
+        else:  # the proposer may reuse work done while drafting (default: session.forward)
             with plugin_code(self.proposer, "verify_forward"):
-                target_logits = self.proposer.verify_forward(self.target, planned.block, planned.parents)  # type: ignore[union-attr]
+                target_logits = self.proposer.verify_forward(self.session, planned.block, planned.parents)  # type: ignore[union-attr]
         self.settle(planned, target_logits, time.perf_counter() - tock)
 
     def proposal(self, draft: bool = True) -> DraftSteps:
@@ -238,7 +238,7 @@ class Decoding:
         proposer, state = self.proposer, self.state
         timing = self._pass_times()
         if timing is not None:  # the sizing reads T(n) after this many tokens
-            timing.at_context(len(self.target))
+            timing.at_context(len(self.session))
         drafting = proposer is not None and draft and (self.gate is None or self.gate.drafts())
         if drafting:
             with plugin_code(proposer, "propose"):
@@ -267,7 +267,7 @@ class Decoding:
         (False: a batch's, whose nodes the batch weighs together)."""
         if self.done:
             raise RuntimeError("this request is finished")
-        target, verifier, state, proposer = self.target, self.verifier, self.state, self.proposer
+        session, verifier, state, proposer = self.session, self.verifier, self.state, self.proposer
         tick = time.perf_counter()
         if proposal is None:
             drafting, proposed = run_alone(self.proposal(draft))
@@ -293,7 +293,7 @@ class Decoding:
         parents = None if draft.is_chain else [-1] + [p + 1 for p in draft.parents]
         block = [state.tokens[-1]] + draft.tokens
         return PlannedRound(
-            drafting, proposed, draft, block, parents, len(target), tick, time.perf_counter(), timing
+            drafting, proposed, draft, block, parents, len(session), tick, time.perf_counter(), timing
         )
 
     def settle(self, planned: PlannedRound, target_logits, pass_seconds: float, timed: bool = True) -> None:
@@ -301,8 +301,8 @@ class Decoding:
         keep the accepted path, emit, tell the proposer. ``timed``: whether the pass is this
         request's alone (its seconds then teach the live T(n); a batch's pass is recorded
         once, by the batch)."""
-        target, proposer, verifier, state, stats = (
-            self.target, self.proposer, self.verifier, self.state, self.stats
+        session, proposer, verifier, state, stats = (
+            self.session, self.proposer, self.verifier, self.state, self.stats
         )  # fmt: skip
         output, draft, drafting, tick, tock = (
             self.tokens, planned.draft, planned.drafting, planned.tick, planned.tock
@@ -313,8 +313,8 @@ class Decoding:
         with plugin_code(verifier, "verify"):
             acceptance: Acceptance = verifier.verify(draft, target_logits, self.sampling, self.generator)
         state.committed_rows = [0] + [node + 1 for node in acceptance.path]
-        target.keep(planned.block_start, state.committed_rows)
-        state.hidden = target.hidden
+        session.keep(planned.block_start, state.committed_rows)
+        state.hidden = session.hidden
         state.hidden_row = state.committed_rows[-1]
         verify_seconds = pass_seconds + (time.perf_counter() - tock - pass_seconds if timed else 0.0)
         settled = time.perf_counter()
