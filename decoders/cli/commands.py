@@ -7,7 +7,8 @@ list, then ``common`` (Hydra's output folders) and the config groups it composes
 (:class:`~specdec.decoders.models.loading.ModelConfig`, the proposers' ``Config``,
 :class:`~specdec.decoders.evaluation.bench_config.BenchConfig`, ...); here they are
 slots (``Any``). So Hydra checks every key and type of a command line while composing,
-and a default is written once: a command's own options here, a group's in its schema.
+and a default is written once: a command's own options here (those the Python API shares,
+from :mod:`specdec.decoders.engine.pipeline`), a group's in its schema.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from specdec.decoders.engine.pipeline import ARTIFACTS_DIR, CHAT_TEMPLATE, MAX_NEW_TOKENS, ROUND_GATE
+
 
 @dataclass
 class CommonConfig:
@@ -27,10 +30,10 @@ class CommonConfig:
     plugins: list[str] = field(
         default_factory=list
     )  # modules to import (their @register_* classes become choices)
-    artifacts_dir: str = "artifacts"  # trained drafters: <artifacts_dir>/<target>/<drafter>
+    artifacts_dir: str = ARTIFACTS_DIR  # trained drafters: <artifacts_dir>/<target>/<drafter>
     # true: whether each round drafts at all is decided from earlier rounds
     # (decoders/sizing/round_gate.py). Off: in its A/B runs it has not paid yet (docs/round_gate.md).
-    round_gate: bool = False
+    round_gate: bool = ROUND_GATE
     debug: bool = False  # true: keep the traceback of the project's errors (as HYDRA_FULL_ERROR=1 does)
 
 
@@ -50,9 +53,9 @@ class GenerateCommand(PipelineSlots, CommonConfig):
     """``python -m specdec.decoders.generate``: one answer, streamed, then the run's stats."""
 
     prompt: str = "Write a short poem about the sea."
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. ["\n\n"]
-    chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
+    chat_template: bool = CHAT_TEMPLATE  # wrap the prompt in the tokenizer's chat template
 
 
 @dataclass

@@ -17,6 +17,7 @@ from specdec.decoders.models.target import Target, as_target
 # Trained drafters of the default target, shipped as package data (only what differs
 # from the target is stored); a user's own artifact of the same drafter wins.
 SHIPPED_ARTIFACTS = Path(__file__).resolve().parents[2] / "proposers" / "shipped"
+ARTIFACTS_DIR = "artifacts"  # the user's trained drafters: <artifacts_dir>/<target>/<drafter>
 
 
 @runtime_checkable
@@ -64,7 +65,7 @@ class PipelineContext:
     target: Target  # the target's passes, parts and cost: what a proposer may use of it
     tokenizer: PreTrainedTokenizerBase | None
     model_config: ModelConfig = field(default_factory=ModelConfig)
-    artifacts_dir: Path = field(default_factory=lambda: Path("artifacts"))
+    artifacts_dir: Path = field(default_factory=lambda: Path(ARTIFACTS_DIR))
     fixed_cost_curve: CostCurve | None = None  # given: used instead of the measured T(n)
     # how big a draft is: the pipeline's SizingPolicy (decoders/sizing/policy.py), whose
     # sizers proposers take (``context.sizing.chain(k)``); None: the default policy over cost_curve
@@ -117,7 +118,7 @@ class PipelineContext:
                 f"model.num_layers={model.num_layers}",
                 f"model.seed={model.seed}",
             ]
-        if str(self.artifacts_dir) != "artifacts":
+        if str(self.artifacts_dir) != ARTIFACTS_DIR:
             parts.append(f"artifacts_dir={self.artifacts_dir}")
         if output:
             parts.append(f"train.output={output}")

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec.decoders.engine.constraint import Constraint, ConstraintConfig, GrammarVocabulary
-from specdec.decoders.engine.context import PipelineContext, Sizing
+from specdec.decoders.engine.context import ARTIFACTS_DIR, PipelineContext, Sizing
 from specdec.decoders.engine.decoding import Decoding, RoundGate, default_verifier
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, proposer_registry, verifier_registry
@@ -55,6 +55,13 @@ class BatchResult:
     stats: Any  # specdec.decoders.engine.batch.BatchStats
 
 
+# The Python API's defaults, declared once: the command lines' schemas take them
+# (decoders/cli/commands.py), so `generate` and `Pipeline.load(...).generate` agree.
+MAX_NEW_TOKENS = 128
+CHAT_TEMPLATE = True  # wrap a text prompt in the tokenizer's chat template
+ROUND_GATE = False  # measured, the round gate has not paid yet (docs/round_gate.md)
+
+
 class Pipeline:
     def __init__(
         self,
@@ -65,12 +72,12 @@ class Pipeline:
         sampling: SamplingConfig | None = None,
         *,
         model_config: ModelConfig | None = None,
-        artifacts_dir: str | Path = "artifacts",
-        max_new_tokens: int = 128,
+        artifacts_dir: str | Path = ARTIFACTS_DIR,
+        max_new_tokens: int = MAX_NEW_TOKENS,
         stop_strings: Sequence[str] = (),
-        chat_template: bool = True,
+        chat_template: bool = CHAT_TEMPLATE,
         cost_curve: CostCurve | None = None,
-        round_gate: bool = False,
+        round_gate: bool = ROUND_GATE,
         constraint: ConstraintSpec | None = None,
         sizing: Sizing | None = None,
     ) -> None:

@@ -35,6 +35,8 @@ class BenchConfig:
     pipelines: list[Any] = field(default_factory=list)
     # a pipeline here whose trained artifact is missing is skipped with the command that trains it
     default_pipelines: list[Any] = field(default_factory=lambda: list(DEFAULT_PIPELINES))
+    # run after default_pipelines, when those run (experiment=full_set: the trained early exit)
+    extra_pipelines: list[Any] = field(default_factory=list)
     # rounds: our pipelines run in step, a round at a time, on each prompt; prompts: one after another
     interleave: str = "rounds"
     aa: bool = True  # standard decoding twice, in step: "standard (A/A)" is the speedup noise alone gives

@@ -146,8 +146,8 @@ def exact_off_twin(contender: Contender, target: Target) -> Contender:
 def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
     """The speculative pipelines this run measures: ``bench.pipelines`` if given,
     else ``proposer=``/``verifier=``, else ``bench.default_pipelines`` (the best
-    pipeline of each proposer family; those whose trained artifact is missing are
-    skipped with the command that trains it)."""
+    pipeline of each proposer family) and ``bench.extra_pipelines``; those whose trained
+    artifact is missing are skipped with the command that trains it."""
     proposer_cfg = component(cfg, "proposer")
     verifier_cfg = component(cfg, "verifier")
     bench = bench_config(cfg)
@@ -159,7 +159,7 @@ def build_pipelines(cfg: DictConfig, base: Pipeline) -> list[Pipeline]:
         return with_unique_names(pipelines, listed)  # type: ignore[arg-type]
     if proposer_cfg is not None:
         return [base.with_components(proposer_cfg, verifier_cfg)]
-    defaults = bench.default_pipelines
+    defaults = [*bench.default_pipelines, *bench.extra_pipelines]
     pipelines = []
     for entry in defaults:  # type: ignore[union-attr]
         try:

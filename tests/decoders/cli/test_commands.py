@@ -56,3 +56,17 @@ def test_the_command_files_restate_no_default_of_their_schema():
     assert {f.name for f in dataclasses.fields(CommonConfig)} <= {
         f.name for schema in COMMANDS.values() for f in dataclasses.fields(schema)
     }
+
+
+def test_the_command_lines_take_the_python_apis_defaults():
+    """`generate` and `Pipeline(...)` agree on every default they share: declared once, in
+    decoders/engine (the schemas import them)."""
+    import inspect
+
+    from specdec.decoders.cli.commands import GenerateCommand
+    from specdec.decoders.engine.pipeline import Pipeline
+
+    api = inspect.signature(Pipeline.__init__).parameters
+    command = GenerateCommand()
+    for name in ("artifacts_dir", "max_new_tokens", "chat_template", "round_gate"):
+        assert getattr(command, name) == api[name].default, name
