@@ -45,3 +45,18 @@ def test_the_documented_proposer_is_registered_and_lossless(tiny_pipeline, examp
             assert result.tokens == tiny_pipeline.generate(prompt, 24).tokens, verifier
             proposed += result.stats.proposed
     assert proposed > 0, "the example never drafted: the test exercised nothing"
+
+
+def test_the_proposer_contract_fits_its_one_screen_summary():
+    """decoders/engine/proposer.py's docstring groups every public hook, property and
+    declaration of ``Proposer`` on one screen: a new one is added there or this fails."""
+    import specdec.decoders.engine.proposer as contract
+
+    summary = contract.__doc__
+    assert len(summary.splitlines()) <= 45, "the summary outgrew one screen"
+    public = {name for name in vars(contract.Proposer) if not name.startswith("_")} - {
+        "name",
+        "batches_drafting",
+    }
+    missing = sorted(name for name in public if not re.search(rf"\b{name}\b", summary))
+    assert not missing, f"Proposer members missing from the summary: {missing}"

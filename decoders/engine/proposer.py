@@ -1,41 +1,37 @@
 """The Proposer contract: who guesses the next tokens.
 
-A proposer is built once per pipeline from its ``Config`` and a
-:class:`~specdec.decoders.engine.context.PipelineContext` (target model, tokenizer, model
-config), then serves one request at a time:
+One method is required; everything else has a default and falls in one of five groups,
+each small enough to read on its own:
 
-    begin(state)      a new request starts (prompt known, nothing generated)
-    propose(state)    return a Draft: tokens as a tree, optionally with draft_probs
-    drafting(state)   the same as steps (a generator of the model calls it needs,
-                      :mod:`specdec.decoders.engine.drafting`), which a batch runs for all
-                      its requests at once; the default runs ``propose``
-    skip(state)       instead of propose, in a round the round gate keeps plain
-                      (decoders/sizing/round_gate.py): no draft, not observed
-    observe(state, round)
-                      the round's outcome (:class:`~specdec.decoders.engine.draft.Round`): the
-                      proposer's own draft, its accepted path in that draft's
-                      numbering, the engine's draft and verify seconds; sync any
-                      private state (its time counts as drafting time)
-    finish(state)     the request is done (its tokens are final)
+    DRAFT (required)      propose(state) -> Draft        tokens as a tree (a chain is a tree),
+                                                          optionally with q, the draft distribution
+    FOLLOW A REQUEST      begin(state)                   a request starts (reset its own state)
+      (optional)          observe(state, round)          the round's outcome: its draft, the path
+                                                          accepted in its numbering, the seconds
+                          skip(state)                    a round the gate keeps plain
+                          finish(state)                  the request is done (memory learns here)
+                          forget()                       drop earlier requests (after warm-up)
+    DECLARE               Config                         its options; defaults = its best measured
+      (class attributes)  artifact, trainer              the drafter it reads, who trains it
+                          presets                        named variants bench lists refer to
+                          shared, per_request            its state in a batch (for_request)
+    SAY WHAT IT DOES      sampled, drafts_trees          draws q / drafts trees (default verifier)
+      (properties)        drafts_in_target,              runs the target's own layers in the
+                          reads_target_layers,           request's session / reads inner layers;
+                          batch_refusal                  why it cannot batch (None: it can)
+    SHARE WORK            drafting(state)                propose as steps, so a batch runs its
+      (optional)                                          requests' model calls together
+                          verify_forward(session, ...)   reuse drafting work in the target pass
+                          describe()                     facts for results files
 
 ``state`` is the :class:`~specdec.decoders.engine.state.DecodeState` of the request: its
 tokens and the target's final hidden states of the last pass. The target itself is
 ``context.target`` (:class:`specdec.decoders.models.target.Target`): a proposer that needs
-its intermediate layers asks it for a tap (``context.target.tap(layers)``, EAGLE);
-one that drafts with the target's own layers says so (``drafts_in_target``) and is
-given the session. A proposer decides its draft's shape from its own config, never
-from the verifier.
-
-A proposer class is also its own declaration (one table per proposer, read by the
-registry, the trainer CLI and the bench):
-
-    Config            its options; the defaults are its best measured configuration
-    artifact          the drafter it reads from the artifacts directory (None: none)
-    trainer           the module that trains that drafter (``Config``, ``train(job)``),
-                      run as ``python -m specdec.train drafter=<artifact>``
-    presets           named variants (:class:`Preset`) bench lists refer to by label
-    drafts_trees      whether its drafts, as configured, are trees (then its pipeline's
-                      default verifier is ``tree``)
+its intermediate layers asks it for a tap (``context.target.tap(layers)``, EAGLE); one that
+drafts with the target's own layers says so (``drafts_in_target``) and is given the session.
+How big its drafts are it asks ``context.sizing`` (a sizer it takes from the pipeline's
+policy). A proposer decides its draft's shape from its own config, never from the verifier.
+The smallest complete proposer is docs/architecture.md's example (tested as written).
 """
 
 from __future__ import annotations
