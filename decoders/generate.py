@@ -24,7 +24,7 @@ from specdec.decoders.cli.config import (  # noqa: E402
     sampling_config,
 )
 from specdec.decoders.cli.errors import check_command_line, cli_errors  # noqa: E402
-from specdec.decoders.engine.constraint import grammar_source  # noqa: E402
+from specdec.decoders.engine.constraint_source import grammar_source  # noqa: E402
 from specdec.decoders.engine.pipeline import Pipeline  # noqa: E402
 from specdec.decoders.engine.request import check_stop_strings  # noqa: E402
 

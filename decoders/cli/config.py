@@ -22,7 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 import specdec.decoders.cli.commands  # noqa: F401  (stores each command's typed schema)
-from specdec.decoders.engine.constraint import ConstraintConfig
+from specdec.decoders.engine.constraint_source import ConstraintConfig
 from specdec.decoders.engine.registry import import_plugins, load_builtins, proposer_registry
 from specdec.decoders.engine.sampling import SamplingConfig
 from specdec.decoders.models.loading import ModelConfig

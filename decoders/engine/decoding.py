@@ -31,12 +31,13 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specdec.decoders.engine.constraint import GrammarState
-from specdec.decoders.engine.draft import Acceptance, Draft, Round
+from specdec.decoders.engine.draft import Acceptance, Draft
 from specdec.decoders.engine.drafting import DraftSteps, run_alone
-from specdec.decoders.engine.plugins import PluginError, describe, plugin_code
+from specdec.decoders.engine.plugins import plugin_code
 from specdec.decoders.engine.proposer import Proposer
 from specdec.decoders.engine.registry import build, verifier_registry
 from specdec.decoders.engine.request import GenerationStats, StopConditions
+from specdec.decoders.engine.round_draft import check_draft_tokens, cut_to_paying, lead_value, proposer_round
 from specdec.decoders.engine.sampling import SamplingConfig, check_finite, next_token
 from specdec.decoders.engine.state import DecodeState
 from specdec.decoders.engine.verifier import Verifier
@@ -281,7 +282,7 @@ class Decoding:
             draft = self.grammar.prune(draft)
             draft = self.grammar.extend_forced(draft, self.grammar.constraint.forced_per_leaf)
             if alone:  # the forced tokens were added unsized: the nodes that pay (a batch weighs all)
-                draft = _paying(draft, proposer)
+                draft = cut_to_paying(draft, proposer)
         # Tokens past max_new_tokens would be thrown away: don't draft them.
         budget = self.remaining
         draft = draft.truncated(budget - 1)
@@ -332,7 +333,7 @@ class Decoding:
         if drafting:
             stats.drafted_rounds += 1
             stats.drafted_round_tokens += len(new)
-        if drafting and (lead := _lead_value(planned.proposed)) is not None:
+        if drafting and (lead := lead_value(planned.proposed)) is not None:
             stats.lead_values.append(lead)
         stats.verify_time += verify_seconds
         stats.draft_time += tock - tick
@@ -347,7 +348,7 @@ class Decoding:
         if drafting and not self.done:
             observing = time.perf_counter()
             with plugin_code(proposer, "observe"):
-                told = _round(planned.proposed, draft, acceptance, tock - tick, verify_seconds)
+                told = proposer_round(planned.proposed, draft, acceptance, tock - tick, verify_seconds)
                 proposer.observe(state, told)  # type: ignore[union-attr]
             observe_seconds = time.perf_counter() - observing
             stats.observe_time += observe_seconds
@@ -372,50 +373,3 @@ class Decoding:
             self.stats.grammar_time = self.grammar.mask_seconds
             self.stats.grammar_masks = self.grammar.masks_computed
         return GenerationOutput(self.tokens, self.stats)
-
-
-def check_draft_tokens(draft: Draft, vocab_size: int, proposer: Proposer | None) -> None:
-    """Refuse a draft holding an id outside the vocabulary before the target's pass reads it
-    (the embedding's IndexError names neither the proposer nor the id)."""
-    if draft.tokens and not 0 <= min(draft.tokens) <= max(draft.tokens) < vocab_size:
-        bad = next(t for t in draft.tokens if not 0 <= t < vocab_size)
-        raise PluginError(
-            f"{describe(proposer)} drafted token id {bad}, outside the vocabulary of {vocab_size} ids "
-            f"(0 to {vocab_size - 1}); a draft holds the target's token ids"
-        )
-
-
-def _paying(draft: Draft, proposer: Proposer | None) -> Draft:
-    """``draft`` cut to the nodes that pay for their rows in this request's pass, by their
-    values (:meth:`SizingPolicy.joint`); whole where it has none. Deterministic drafts only:
-    the cut then never depends on a sampled token."""
-    sizing = getattr(getattr(proposer, "context", None), "sizing", None)
-    if draft.values is None or draft.draft_probs is not None or not len(draft) or sizing is None:
-        return draft
-    keep = sizing.joint([(draft.parents, draft.values)], requests=0)[0]
-    return draft if len(keep) == len(draft) else draft.select(keep)
-
-
-def _round(
-    proposed: Draft, verified: Draft, acceptance: Acceptance, draft_seconds: float, verify_seconds: float
-) -> Round:
-    """The round in the proposer's numbering: ``verified`` is ``proposed`` after the
-    engine's and the verifier's pruning, and the verdict's path is in its numbering."""
-    nodes = verified.nodes_in(proposed)
-    path: list[int] = []
-    for node in acceptance.path:
-        if nodes[node] is None:  # a node the verifier added: the proposer's path ends before it
-            break
-        path.append(nodes[node])
-    seen = [node for node in nodes if node is not None]
-    return Round(proposed, path, seen, acceptance.tokens, draft_seconds, verify_seconds)
-
-
-def _lead_value(proposed: Draft) -> float | None:
-    """A proposal's estimated acceptance of its likeliest first token: 0 for an empty one,
-    None for one without values."""
-    if not len(proposed):
-        return 0.0
-    if proposed.values is None:
-        return None
-    return max(value for value, parent in zip(proposed.values, proposed.parents) if parent < 0)

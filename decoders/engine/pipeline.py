@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdec.decoders.engine.constraint import Constraint, ConstraintConfig, GrammarVocabulary
+from specdec.decoders.engine.constraint import Constraint, GrammarVocabulary
+from specdec.decoders.engine.constraint_source import ConstraintConfig
 from specdec.decoders.engine.context import ARTIFACTS_DIR, PipelineContext, Sizing
 from specdec.decoders.engine.decoding import Decoding, RoundGate, default_verifier
 from specdec.decoders.engine.proposer import Proposer

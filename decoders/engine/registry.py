@@ -212,7 +212,7 @@ BUILTIN_PROPOSERS = {
     "eagle": "specdec.proposers.eagle.proposer:EagleProposer",
     "early_exit": "specdec.proposers.early_exit:EarlyExitProposer",
     "grammar": "specdec.proposers.grammar:GrammarProposer",
-    "copy_heads": "specdec.proposers.medusa.proposer:CopyHeadsProposer",
+    "copy_heads": "specdec.proposers.medusa.copy_heads:CopyHeadsProposer",
     "medusa": "specdec.proposers.medusa.proposer:MedusaProposer",
     "merge": "specdec.proposers.merge:MergeProposer",
     "ngram": "specdec.proposers.ngram:NgramProposer",

@@ -35,7 +35,8 @@ from specdec.decoders.cli.config import (
     model_config,
     sampling_config,
 )
-from specdec.decoders.engine.constraint import Constraint, ConstraintConfig
+from specdec.decoders.engine.constraint import Constraint
+from specdec.decoders.engine.constraint_source import ConstraintConfig
 from specdec.decoders.engine.pipeline import Pipeline
 from specdec.decoders.evaluation.batching import arrival_times, run_batch_benchmark
 from specdec.decoders.evaluation.bench_config import BenchConfig, bench_config

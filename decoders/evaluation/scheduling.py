@@ -14,7 +14,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specdec.decoders.engine.constraint import Constraint, ConstraintConfig
+from specdec.decoders.engine.constraint import Constraint
+from specdec.decoders.engine.constraint_source import ConstraintConfig
 from specdec.decoders.engine.pipeline import Pipeline
 from specdec.decoders.evaluation.bench_config import BenchConfig
 from specdec.decoders.evaluation.contenders import Contender, Stepping

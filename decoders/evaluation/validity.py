@@ -11,7 +11,8 @@ from typing import Any
 
 import jsonschema
 
-from specdec.decoders.engine.constraint import Constraint, ConstraintConfig, text_or_file
+from specdec.decoders.engine.constraint import Constraint
+from specdec.decoders.engine.constraint_source import ConstraintConfig, text_or_file
 
 
 def output_valid(text: str, tokens: list[int], spec: ConstraintConfig, constraint: Constraint) -> bool:

@@ -48,7 +48,7 @@ from specdec.decoders.engine.context import artifact_source
 from specdec.decoders.engine.draft import Draft, Round
 from specdec.decoders.engine.drafting import DraftSteps, run_alone
 from specdec.decoders.engine.files import readable_artifact
-from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows
+from specdec.decoders.engine.proposer import Proposer, constrained_rows
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite, processed_probs
 from specdec.decoders.sizing.policy import SizingPolicy, TreeOptions, tree_shape
@@ -386,19 +386,3 @@ class MedusaProposer(Proposer):
             "trainable_parameters": self.meta.get("trainable_parameters"),
             "heads_top1_heldout": self.meta.get("metrics", {}).get("top1"),
         }
-
-
-@register_proposer("copy_heads")
-class CopyHeadsProposer(MedusaProposer):
-    """The copy heads: the heads ``python -m specdec.train drafter=medusa`` trains by default, each
-    mixing its vocabulary distribution with a pointer into the committed context
-    (:mod:`specdec.proposers.copy_attention`). Its defaults are its best measured configuration on
-    the default target: a dynamic tree grown from the heads' confidence, sized each round
-    from T(n) and the acceptance measured (``tree_budget: auto``), verified by ``tree``."""
-
-    presets = (Preset("copy_heads_chain", {"tree": None, "tree_budget": None}),)
-
-    @dataclass
-    class Config(MedusaProposer.Config):
-        tree: Any = "dynamic"
-        tree_budget: Any = "auto"  # (the copy heads' best measured: a dynamic tree sized from T(n))

@@ -22,7 +22,6 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.decoders import Pipeline
-from specdec.decoders.engine.constraint import ConstraintError
 from specdec.decoders.engine.draft import Draft
 from specdec.decoders.engine.registry import proposer_registry
 from specdec.decoders.engine.sampling import SamplingConfig, processed_probs
@@ -158,7 +157,7 @@ def test_forced_tokens_are_kept_where_their_leaf_is_likely_enough_to_pay():
     flat T(n) all; a draft without values, or a sampled one, whole."""
     from types import SimpleNamespace
 
-    from specdec.decoders.engine.decoding import _paying
+    from specdec.decoders.engine.round_draft import cut_to_paying
     from specdec.decoders.models.cost import CostCurve
     from specdec.decoders.sizing.policy import SizingPolicy
 
@@ -172,11 +171,11 @@ def test_forced_tokens_are_kept_where_their_leaf_is_likely_enough_to_pay():
         (CostCurve({1: 1.0, 64: 1.0}), list(range(8))),
     ):
         proposer.context.sizing = SizingPolicy(lambda curve=curve: curve)
-        assert _paying(draft, proposer).nodes_in(draft) == kept
+        assert cut_to_paying(draft, proposer).nodes_in(draft) == kept
     whole = Draft(draft.tokens, draft.parents)
-    assert _paying(whole, proposer) is whole
+    assert cut_to_paying(whole, proposer) is whole
     sampled = Draft(draft.tokens, draft.parents, torch.full((8, 10), 0.1), values=draft.values)
-    assert _paying(sampled, proposer) is sampled
+    assert cut_to_paying(sampled, proposer) is sampled
 
 
 def test_a_cut_sampled_draft_keeps_the_constrained_distribution_exactly(tiny_pipeline):
@@ -306,46 +305,6 @@ def test_an_output_that_runs_out_of_tokens_is_marked_incomplete(tiny_pipeline):
     assert tiny_pipeline.generate([5, 6, 7], 4).stats.constraint_complete is None
 
 
-def test_bad_constraints_are_refused_in_one_line(tiny_pipeline, tmp_path):
-    with pytest.raises(ConstraintError, match="constraint.regex is invalid"):
-        tiny_pipeline.constraint({"regex": "(ab"})
-    with pytest.raises(ConstraintError, match="not valid JSON"):
-        tiny_pipeline.constraint({"json_schema": "{'type': 1"})
-    with pytest.raises(ConstraintError, match="no such file"):
-        tiny_pipeline.constraint({"json_schema": str(tmp_path / "missing.json")})
-    with pytest.raises(ConstraintError, match="not regex and grammar"):
-        tiny_pipeline.constraint({"regex": "a", "grammar": "start: 'a'"})
-    with pytest.raises(ConstraintError, match="unknown name"):
-        tiny_pipeline.constraint({"grammar": "start: foo"})
-    schema_file = tmp_path / "schema.json"
-    schema_file.write_text(json.dumps(SCHEMA))
-    assert tiny_pipeline.constraint({"json_schema": str(schema_file)}).description.startswith("json_schema")
-    done = subprocess.run(
-        [sys.executable, "-m", "specdec.decoders.generate", "model=tiny-random", 'constraint.regex="(ab"'],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, "PYTHONPATH": REPO_ROOT},
-    )  # fmt: skip
-    assert done.returncode != 0
-    assert done.stderr.strip().splitlines()[-1].startswith("error: constraint.regex is invalid")
-
-
-def test_a_constraint_no_text_matches_is_refused_and_a_dead_end_is_said(tiny_pipeline):
-    """A regex nothing matches let only the end token through: an empty output, reported as
-    cut short by max_new_tokens. It is refused where it compiles (on the command line, before
-    the model loads); a grammar that dead-ends later is reported as that, not as the budget."""
-    from specdec.decoders.engine.constraint import ConstraintConfig, grammar_source
-    from specdec.decoders.generate import constraint_verdict
-
-    for config in ({"regex": r"[^\s\S]"}, {"regex": r"a[^\s\S]b"}, {"grammar": "start: /[^\\s\\S]/"}):
-        with pytest.raises(ConstraintError, match="matches no text at all.*that some text matches"):
-            grammar_source(ConstraintConfig(**config))
-    assert tiny_pipeline.constraint({"regex": "a{0}"})  # the empty text matches: kept
-    result = tiny_pipeline.generate([5, 6, 7], 16, constraint={"grammar": 'start: "a" x\nx: /[^\\s\\S]/'})
-    assert len(result.tokens) < 16 and result.stats.constraint_complete is False
-    verdict = constraint_verdict(result.stats, 16, stops=False)
-    assert verdict == "INCOMPLETE (the grammar allows no text after this output)"
-
-
 def test_an_unconstrained_run_never_loads_the_grammar_engine(tmp_path):
     script = (
         "import sys\n"
@@ -422,82 +381,3 @@ def test_a_pipeline_s_default_constraint_applies_to_every_request_and_its_varian
     for pipeline in (constrained, speculative):
         tokens = pipeline.generate([1, 2, 3], 8).tokens
         assert bytes(t for t in tokens if t != EOS).decode() in LANGUAGE
-
-
-def merged_byte_tokenizer():
-    """The tiny byte tokenizer plus merged tokens `` "`` (259), `` "a`` (260) and `` "b`` (261),
-    so a string value's opening `` "`` is a layout token: forced bytes no forced token covers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from specdec.decoders.models.loading import _byte_level_chars
-
-    chars = _byte_level_chars()
-    space, quote = chars[ord(" ")], chars[ord('"')]
-    vocab = {chars[b]: b for b in range(256)}
-    vocab.update({"<bos>": 256, "<eos>": 257, "<pad>": 258, space + quote: 259})
-    vocab.update({space + quote + "a": 260, space + quote + "b": 261})
-    merges = [(space, quote), (space + quote, "a"), (space + quote, "b")]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
-
-
-LAYOUT_SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 4}, "tag": {"enum": ["bc", "cb"]}},
-    "required": ["name", "tag"],
-    "additionalProperties": False,
-}
-
-
-@pytest.fixture()
-def layout_pipeline(tiny_model, tiny_config, tmp_path) -> Pipeline:
-    model, _ = tiny_model
-    return Pipeline(
-        model, merged_byte_tokenizer(), model_config=tiny_config, artifacts_dir=tmp_path / "artifacts"
-    )
-
-
-def test_a_layout_token_follows_the_forced_tokens_valued_by_what_the_target_wrote(layout_pipeline):
-    """`` "`` after ``"name":`` is not forced (`` "a`` could follow), so the continuation adds
-    the token spelling those bytes (one in two before anything is seen); once the target
-    wrote `` "a`` there twice and `` "b`` once, `` "a`` comes first, at (2 + 1) / (3 + 2); where
-    the grammar rejects it (before the enum ``bc`` or ``cb``), `` "b`` at (1 + 1) / 5, and the
-    tokens it then forces at the same value."""
-    tokenizer = merged_byte_tokenizer()
-    constraint = layout_pipeline.constraint({"json_schema": LAYOUT_SCHEMA})
-    key = tokenizer.encode('{"name":', add_special_tokens=False)
-    grammar = constraint.start()
-    tokens, values = grammar.continuation(16)
-    assert tokens == key + [259] and values == [1.0] * len(key) + [0.5]
-    for value in ('"ab", "tag": "bc"}', '"ab", "tag": "bc"}', '"bb", "tag": "bc"}'):
-        grammar = constraint.start()  # a request writing the value with `` "a`` or `` "``
-        grammar.continuation(16)
-        grammar.advance(tokenizer.encode('{"name": ' + value, add_special_tokens=False))
-    tokens, values = constraint.start().continuation(16)
-    assert tokens == key + [260] and values[-1] == pytest.approx(3 / 5)
-    grammar = constraint.start()
-    grammar.advance(tokenizer.encode('{"name": "bb", "tag":', add_special_tokens=False))
-    tokens, values = grammar.continuation(16)
-    assert tokenizer.decode(tokens) == ' "bc"}' and tokens[0] == 261
-    assert values == [pytest.approx(2 / 5)] * len(tokens)
-
-
-@pytest.mark.parametrize(
-    ("proposer", "verifier"),
-    [("grammar", "greedy"), ({"name": "merge", "members": ["grammar", "ngram"]}, "tree")],
-)
-def test_layout_tokens_keep_constrained_greedy_identical(layout_pipeline, proposer, verifier):
-    pipeline = layout_pipeline.with_components(proposer, verifier)
-    constraint = layout_pipeline.constraint({"json_schema": LAYOUT_SCHEMA})
-    drafted_layout = 0
-    for prompt in random_prompts(4, seed=11):
-        expected = layout_pipeline.generate(prompt, 40, constraint=constraint).tokens
-        result = pipeline.generate(prompt, 40, constraint=constraint)
-        assert result.tokens == expected
-        drafted_layout += result.stats.proposed
-    assert drafted_layout > 0

@@ -71,7 +71,7 @@ def test_batch_options_are_checked():
 
 
 def test_the_cost_models_stop_estimate():
-    from specdec.decoders.evaluation.batching import stop_estimate
+    from specdec.decoders.evaluation.batch_estimates import stop_estimate
     from specdec.decoders.models.cost import CostCurve
 
     steep_after_8 = CostCurve({1: 1.0, 8: 1.0, 9: 2.0, 64: 57.0})
@@ -85,7 +85,7 @@ def test_the_cost_models_stop_estimate():
 
 
 def test_the_cost_models_estimate_of_where_any_drafting_stops():
-    from specdec.decoders.evaluation.batching import any_stop_estimate
+    from specdec.decoders.evaluation.batch_estimates import any_stop_estimate
     from specdec.decoders.models.cost import CostCurve
 
     steep_after_8 = CostCurve({1: 1.0, 8: 1.0, 9: 2.0, 64: 57.0})
@@ -113,7 +113,7 @@ def test_where_any_drafting_stops_follows_the_best_requests_first_tokens():
     ranks B draws of their values: where half the rounds' first token is worth 0.6 and half
     nothing, drafting pays up to where a 0.6 token stops paying (B = 99 * 0.6 / 0.4, 149),
     not where the mean 0.3 does (43)."""
-    from specdec.decoders.evaluation.batching import any_stop_estimate, lead_quantiles, ranked_leads
+    from specdec.decoders.evaluation.batch_estimates import any_stop_estimate, lead_quantiles, ranked_leads
     from specdec.decoders.models.cost import CostCurve
 
     linear = CostCurve({1: 1.0, 1001: 11.0})  # each row 1% of T(1)
@@ -133,7 +133,8 @@ def test_estimates_from_a_small_batch_search_up_to_exact_modes_widest_pass():
     """Sizes run up to 8 search to 32 by default; in exact mode at least to its widest pass
     (48), where no draft row is left, so the estimate is a size there, not "beyond 32". The
     table says where drafting stops paying, or up to which size it pays."""
-    from specdec.decoders.evaluation.batching import format_batch_table, stop_estimates
+    from specdec.decoders.evaluation.batch_estimates import stop_estimates
+    from specdec.decoders.evaluation.batching import format_batch_table
     from specdec.decoders.models.cost import CostCurve
     from specdec.decoders.models.machine import machine_info
 
