@@ -278,3 +278,58 @@ def test_importing_one_train_module_imports_no_other_part():
         check=True,
     )
     assert result.stdout.strip() == "['specdec.train.checkpoints']"
+
+
+#: The most lines a file has unless docs/architecture.md's "Files over 400 lines" table lists it.
+MOST_LINES = 400
+
+
+def line_counts() -> dict[str, int]:
+    """Every tracked ``.py`` file's lines (as ``wc -l`` counts them), by its path in the repository."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    return {
+        name: (REPO_ROOT / name).read_bytes().count(b"\n") for name in tracked if (REPO_ROOT / name).is_file()
+    }
+
+
+def listed_long_files(doc: str) -> set[str]:
+    """The paths in the first column of the architecture doc's "Files over 400 lines" table, one a row."""
+    section = doc.split("## Files over 400 lines", 1)[1].split("\n## ", 1)[0]
+    return {line.split("|")[1].strip().strip("`") for line in section.splitlines() if line.startswith("| `")}
+
+
+def unjustified_lengths(doc: str, counts: dict[str, int]) -> tuple[list[str], list[str]]:
+    """(files over ``MOST_LINES`` the table does not list, rows of the table naming no file over it)."""
+    listed = listed_long_files(doc)
+    over = {name for name, lines in counts.items() if lines > MOST_LINES}
+    return sorted(over - listed), sorted(listed - over)
+
+
+def test_every_file_over_400_lines_is_listed_with_its_reason():
+    """A file grows past 400 lines only with a row in docs/architecture.md's table saying why; a row
+    whose file is gone or back under 400 lines goes too."""
+    doc = (REPO_ROOT / "docs" / "architecture.md").read_text()
+    counts = line_counts()
+    unlisted, stale = unjustified_lengths(doc, counts)
+    assert not unlisted, (
+        f'over {MOST_LINES} lines and not in docs/architecture.md\'s "Files over 400 lines" table: '
+        + ", ".join(f"{name} ({counts[name]})" for name in unlisted)
+        + "; split it along a seam, or add a row saying why it is one file"
+    )
+    assert not stale, f"docs/architecture.md's table lists files not over {MOST_LINES} lines: {stale}"
+
+
+def test_a_long_file_missing_from_the_table_is_found():
+    """The check can fail: the real doc without one of its rows, and a file it never listed."""
+    doc = (REPO_ROOT / "docs" / "architecture.md").read_text()
+    listed = sorted(listed_long_files(doc))
+    assert "train/medusa.py" in listed and len(listed) > 3, listed
+    counts = {name: MOST_LINES + 1 for name in listed} | {"decoders/new.py": MOST_LINES + 1, "short.py": 10}
+    without = "\n".join(line for line in doc.splitlines() if not line.startswith("| `train/medusa.py`"))
+    assert unjustified_lengths(without, counts) == (["decoders/new.py", "train/medusa.py"], [])
+    assert unjustified_lengths(doc, {**counts, "train/medusa.py": MOST_LINES}) == (
+        ["decoders/new.py"],
+        ["train/medusa.py"],
+    )
