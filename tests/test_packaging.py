@@ -47,6 +47,7 @@ def source_files() -> set[str]:
     return {p.relative_to(REPO_ROOT).as_posix() for p in files if "__pycache__" not in p.parts}
 
 
+@pytest.mark.slow  # builds and installs the wheel
 def test_the_wheel_installs_one_namespace_holding_every_folder(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"specdec", wheel.name.split("-py3")[0] + ".dist-info"}
@@ -54,6 +55,7 @@ def test_the_wheel_installs_one_namespace_holding_every_folder(wheel):
     assert not missing, f"not in the wheel: {missing[:10]}"
 
 
+@pytest.mark.slow  # builds and installs the wheel
 def test_an_installed_copy_runs_from_another_directory(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run(

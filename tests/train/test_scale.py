@@ -111,6 +111,7 @@ def two_processes(tmp_path_factory) -> Path:
     return artifacts
 
 
+@pytest.mark.slow  # two training processes under accelerate
 def test_two_processes_train_one_artifact_like_one_process(
     two_processes, tiny_model, tiny_config, tmp_path, monkeypatch
 ):
@@ -154,6 +155,7 @@ def test_two_processes_train_one_artifact_like_one_process(
         torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # two training processes, one killed and resumed
 def test_run_killed_at_a_checkpoint_resumes_to_the_same_weights(two_processes, tmp_path):
     """torchrun, main process SIGKILLed right after step 10's checkpoint; accelerate launch
     resumes it; the final weights are those of the uninterrupted 2-process run."""
@@ -216,6 +218,7 @@ def test_scale_settings_that_cannot_work_say_what_to_set(tmp_path, monkeypatch):
         process_state()
 
 
+@pytest.mark.slow  # two processes
 def test_a_late_process_sees_the_same_data_cache(two_processes, tmp_path):
     """Rank 1 looks at the cache after rank 0 could have begun writing to it; both still
     split the same batches: the run trains, and its cache holds the parts of the fixture's."""

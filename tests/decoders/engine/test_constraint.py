@@ -242,9 +242,14 @@ SAMPLED_PIPELINES = [
         {"name": "draft_model", "tree": False, "k": 3, "name_or_path": SELF_DRAFT},
         "rejection",
     ),  # sampled chain, q cut
-    # i.i.d. sampled siblings, each cut (or kept) on its own
-    ({"name": "merge", "members": [{"name": "draft_model", "k": 2, "name_or_path": SELF_DRAFT}] * 2}, "tree"),
-    (
+    # the merges (i.i.d. sampled siblings, each cut or kept on its own; text lookup and forced
+    # tokens): a minute or more each, in the slow tier (make test-all)
+    pytest.param(
+        {"name": "merge", "members": [{"name": "draft_model", "k": 2, "name_or_path": SELF_DRAFT}] * 2},
+        "tree",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
         {
             "name": "merge",
             "members": [
@@ -253,8 +258,9 @@ SAMPLED_PIPELINES = [
             ],
         },
         "tree",
+        marks=pytest.mark.slow,
     ),
-    ({"name": "merge", "members": ["grammar", "span"]}, "tree"),  # text lookup and forced tokens
+    pytest.param({"name": "merge", "members": ["grammar", "span"]}, "tree", marks=pytest.mark.slow),
 ]
 
 
