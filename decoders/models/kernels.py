@@ -129,13 +129,13 @@ def routed_product(module: torch.nn.Linear, x: torch.Tensor, route: LinearRoute)
         return F.linear(x, module.weight, module.bias)
     if rows > route.max_rows:  # a wide pass (a prefill): oneDNN's packed linear where the route takes it
         packs = module.weight.dtype in PACKED_DTYPES or route.packed_from < NEVER
-        if packs and (packed := _packed_weight(module, route)) is not None:
+        if packs and (packed := _packed_weight(module, route, x)) is not None:
             flat = x.reshape(rows, x.shape[-1])
             return packed(flat, module.bias).reshape(*x.shape[:-1], module.weight.shape[0])
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
     if route.transposed and module.weight.dtype in PACKED_DTYPES:  # bfloat16: oneDNN's packed linear
-        packed = _packed_weight(module, route)
+        packed = _packed_weight(module, route, x)
         if packed is None and not exact:  # a product autograd must see, or no oneDNN
             return F.linear(x, module.weight, module.bias)
         if packed is None:
@@ -144,7 +144,7 @@ def routed_product(module: torch.nn.Linear, x: torch.Tensor, route: LinearRoute)
             return packed(flat, module.bias).reshape(*x.shape[:-1], module.weight.shape[0])
         else:
             y = _exact_default_route(module, route, flat, packed)
-    elif not exact and rows >= route.packed_from and (packed := _packed_weight(module, route)) is not None:
+    elif not exact and rows >= route.packed_from and (packed := _packed_weight(module, route, x)) is not None:
         return packed(flat, module.bias).reshape(*x.shape[:-1], module.weight.shape[0])
     elif not route.transposed:  # exact mode on the default route
         y = _exact_default_route(module, route, flat, lambda block: F.linear(block, module.weight))
@@ -211,15 +211,17 @@ def packed_route_available(dtype: torch.dtype = torch.float32) -> bool:
     return onednn_linear(dtype)
 
 
-def _packed_weight(module: torch.nn.Linear, route: LinearRoute) -> PackedProduct | None:
+def _packed_weight(module: torch.nn.Linear, route: LinearRoute, x: torch.Tensor) -> PackedProduct | None:
     """``module.weight`` in oneDNN's packed layout, packed on first use and again
     whenever the weight changed (its storage or its in-place version); None where the
-    packed route does not apply: not float32 or bfloat16, or a product autograd must see."""
+    packed route does not apply: not float32 or bfloat16, or a product autograd must see
+    (oneDNN's packed linear has no backward: a gradient through its input, a frozen layer
+    that a trained adapter feeds, would be silently dropped)."""
     weight = module.weight
     if (
         weight.dtype not in PACKABLE
         or not packed_route_available(weight.dtype)
-        or (torch.is_grad_enabled() and weight.requires_grad)
+        or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
     ):
         return None
     # inference tensors keep no version counter: their storage alone identifies them

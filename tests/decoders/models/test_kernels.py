@@ -48,6 +48,21 @@ def test_packed_route_serves_wide_float32_passes_and_follows_weight_changes():
 
 
 @requires_cpu("onednn_f32_linear")
+def test_a_frozen_layer_passes_its_inputs_gradient_on_the_packed_route():
+    """A frozen linear (an early exit's LM head) fed by a trained adapter: its wide passes
+    keep the input's gradient, which oneDNN's packed linear, having no backward, would drop."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40).requires_grad_(False)
+    route_narrow_linears(layer)
+    x = torch.randn(PACKED_FROM + 3, 24, requires_grad=True)
+    layer(x).square().sum().backward()
+    expected = torch.autograd.grad(torch.nn.functional.linear(x, layer.weight, layer.bias).square().sum(), x)[0]
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, expected)
+    assert layer not in linear_route(layer).packed  # not even packed: autograd needs the plain product
+
+
+@requires_cpu("onednn_f32_linear")
 def test_packed_route_takes_weights_made_in_inference_mode():
     with torch.inference_mode():  # an inference tensor keeps no version counter
         layer = torch.nn.Linear(24, 40)
