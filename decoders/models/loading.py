@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -266,9 +267,21 @@ def smollm2_directory() -> Path:
     os.chmod(tmp, 0o777 & ~mask)  # a folder like any of the user's, not mkdtemp's 0700
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(target)  # atomic: a half-written cache never looks complete
+    publish_directory(tmp, target, "model.safetensors")
     return target
+
+
+def publish_directory(tmp: Path, target: Path, marker: str) -> None:
+    """Move a finished cache folder into place, atomically: a half-written cache never looks
+    complete. Where another process published it first (two first loads at once), theirs is
+    kept and ``tmp`` dropped."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / marker).exists():
+            raise
 
 
 def _smollm2_gguf_dir() -> Path:
