@@ -379,8 +379,9 @@ def run_replay(cfg: DictConfig) -> dict:
             "(their outputs are what every lossless pipeline emits)"
         )
     run_cfg = OmegaConf.create(run["config"])
-    if cfg.pipelines:
+    if cfg.pipelines:  # these instead of the run's, whether it listed pipelines or named one
         run_cfg.bench.pipelines = cfg.pipelines
+        run_cfg.proposer = run_cfg.verifier = None
     run_cfg.plugins = list(run_cfg.get("plugins") or []) + list(cfg.plugins)
     load_plugins(run_cfg)
     run_curve = CostCurve.from_json(run["cost_curve"])

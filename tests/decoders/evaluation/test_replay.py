@@ -248,3 +248,28 @@ def test_replay_cli_says_it_does_not_replay_a_batch_mode_run(tmp_path, monkeypat
         "per-prompt runs only (their recorded rounds, one request at a time); give run= a bench run made "
         "without bench.batch_size"
     )
+
+
+def test_replay_of_a_run_that_named_one_proposer_takes_the_pipelines_given(tmp_path, monkeypatch):
+    """A run made with proposer=... replayed with pipelines=[...]: those pipelines, not an error
+    that the run's proposer and the list cannot both be given."""
+    from specdec.decoders import replay
+
+    workload = write_workload(tmp_path)
+    run_dir = tmp_path / "run"
+    run_bench(
+        monkeypatch, tiny_overrides(workload, f"hydra.run.dir={run_dir}", "proposer=ngram", "verifier=greedy")
+    )
+    out = tmp_path / "replay.json"
+    argv = [
+        "specdec.decoders.replay",
+        f"run={run_dir}",
+        "pipelines=[{proposer:{name:suffix,k:4},verifier:tree,label:suffix4}]",
+        f"output={out}",
+        "plots=false",
+        f"hydra.run.dir={tmp_path / 'r'}",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    replay.main()
+    names = {p["name"] for p in json.loads(out.read_text())["pipelines"]}
+    assert names == {"standard", "suffix4"}
