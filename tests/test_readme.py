@@ -13,12 +13,9 @@ run here are skipped with their reason (:data:`NOT_HERE`); the costly ones, thos
 default model, and the commands of the docs the README's command sections link
 (:data:`LINKED_DOCS`) run in the slow tier (:data:`SLOW`).
 
-A fresh interpreter that imports torch, transformers and W&B costs 5-10 s of CPU before a
-command starts. So ``python`` on the commands' PATH is a small script that hands
-``python -m specdec...`` to a fork server that imported them once (:data:`SERVER`); each
-command runs in a fresh fork of it, with its own argv, directory, environment and standard
-streams, as ``python -m`` would run it. Anything else goes to the real interpreter, and
-``SPECDEC_README_FORK=0`` sends everything there.
+``python`` on the commands' PATH hands ``python -m specdec...`` to a fork server that imported
+torch, transformers and W&B once (tests/command_server.py): each command still runs as
+``python -m`` would, in a fresh fork, and starts in under a second instead of 5-10 s.
 
 The ```python blocks run too, in this process, with ``smollm2-135m`` swapped for ``tiny-random``.
 Every case owns its directory, so the module runs under pytest-xdist as it does alone (the
@@ -29,21 +26,20 @@ once per worker).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 import types
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import command_server
 from tests.conftest import REPO_ROOT
+from tests.doc_commands import Command, blocks, commands_of
 
 ROOT = Path(REPO_ROOT)
 DOCS = ("README.md", "docs/cli.md")
@@ -61,81 +57,6 @@ TIMEOUT_S = 600
 
 
 # ------------------------------------------------------------------ reading the documents
-
-
-@dataclass(frozen=True)
-class Command:
-    doc: str
-    line: int  # where the command starts (1-based)
-    text: str  # as bash reads it: continuations joined, the trailing comment cut
-
-    @property
-    def id(self) -> str:
-        return f"{self.doc}:{self.line}"
-
-    @property
-    def words(self) -> list[str]:
-        return shlex.split(self.text)
-
-    @property
-    def module(self) -> str | None:
-        """``specdec.decoders.bench`` for ``python -m specdec.decoders.bench ...``."""
-        words = self.words
-        return words[2] if words[:2] == ["python", "-m"] and len(words) > 2 else None
-
-
-def strip_comment(line: str) -> str:
-    """``line`` without its trailing comment: from a ``#`` outside quotes that starts a word."""
-    quote, escaped = None, False
-    for i, char in enumerate(line):
-        if escaped:
-            escaped = False
-        elif char == "\\" and quote != "'":
-            escaped = True
-        elif quote:
-            quote = None if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip()
-    return line.rstrip()
-
-
-def blocks(text: str, language: str) -> list[tuple[int, list[str]]]:
-    """Each fenced block of ``language``: (the line number of its first line, its lines)."""
-    found, body, start = [], None, 0
-    for number, line in enumerate(text.splitlines(), 1):
-        if body is None and line.strip() == f"```{language}":
-            body, start = [], number + 1
-        elif body is not None and line.strip() == "```":
-            found.append((start, body))
-            body = None
-        elif body is not None:
-            body.append(line)
-    return found
-
-
-def commands_of(doc: str) -> list[Command]:
-    """Every command of ``doc``'s ```bash blocks, as bash reads it."""
-    commands = []
-    for start, lines in blocks((ROOT / doc).read_text(), "bash"):
-        pending, first, raw = "", 0, ""
-        for offset, line in enumerate(lines):
-            code = strip_comment(line)
-            if not pending:
-                first = start + offset
-            raw += line + "\n"
-            if code.endswith("\\"):  # continued on the next line
-                pending += code[:-1]
-                continue
-            text = (pending + code).strip()
-            if text:  # shlex, told of comments and continuations, reads the same words
-                assert shlex.split(raw.replace("\\\n", ""), comments=True) == shlex.split(text), doc
-                commands.append(Command(doc, first, text))
-            pending, raw = "", ""
-        assert not pending, f"{doc}: a block ends inside a continued command"
-    return commands
-
 
 COMMANDS = [command for doc in DOCS for command in commands_of(doc)]
 LINKED = [
@@ -253,165 +174,12 @@ def case(command: Command):
     return pytest.param(command, id=command.id, marks=[pytest.mark.slow] if slow else [])
 
 
-# ------------------------------------------------------------------ the fork server
-
-#: Run as ``python -c SERVER SOCKET MODULE...``: imports the modules, then serves each request
-#: (argv, directory, environment and the caller's fds 0-2) in a fresh fork, as ``python -m``
-#: would run it, and sends back its exit status; a command whose caller is gone is killed.
-SERVER = r"""
-import atexit, json, os, runpy, select, signal, socket, struct, sys, threading, traceback
-for name in sys.argv[2:]:
-    __import__(name)
-listener = socket.socket(socket.AF_UNIX)
-listener.bind(sys.argv[1] + ".new")
-listener.listen(64)
-os.rename(sys.argv[1] + ".new", sys.argv[1])  # there once it listens
-
-
-def command(request):
-    os.setpgid(0, 0)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    sys.path[0] = request["cwd"]
-    sys.argv = ["-m", *request["argv"][1:]]
-    code = 0
-    try:
-        runpy.run_module(request["argv"][0], run_name="__main__", alter_sys=True)
-    except SystemExit as exit:
-        code = exit.code
-        if not isinstance(code, int):
-            code = 0 if code is None else (print(code, file=sys.stderr) or 1)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    threading._shutdown()  # what the interpreter does at exit: non-daemon threads, atexit hooks
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
-
-
-def serve(connection):
-    data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-    size = struct.unpack("!I", data[:4])[0]
-    data = data[4:]
-    while len(data) < size:
-        data += connection.recv(1 << 20)
-    pid = os.fork()
-    if pid == 0:
-        connection.close()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        command(json.loads(data))
-    for fd in fds:
-        os.close(fd)
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if select.select([connection], [], [], 0.1)[0] and not connection.recv(1):
-            os.killpg(pid, signal.SIGKILL)  # the caller is gone (a timeout): so is its command
-            os._exit(0)
-    connection.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
-    os._exit(0)
-
-parent = os.getppid()
-listener.settimeout(5)
-while True:
-    try:
-        connection, _ = listener.accept()
-    except TimeoutError:
-        if os.getppid() != parent:  # the test process is gone: so is its server
-            sys.exit()
-        continue
-    connection.settimeout(None)
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-    if os.fork() == 0:
-        listener.close()
-        serve(connection)
-    connection.close()
-"""
-
-#: What ``python`` is on the commands' PATH: ``python -m specdec...`` goes to the fork server,
-#: anything else to the real interpreter.
-SHIM = """#!{python} -SE
-import json, os, socket, struct, sys
-args = sys.argv[1:]
-if len(args) < 2 or args[0] != "-m" or not args[1].startswith("specdec."):
-    os.execv({python!r}, [{python!r}, *args])
-client = socket.socket(socket.AF_UNIX)
-client.connect({socket!r})
-request = json.dumps({{"argv": args[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}).encode()
-socket.send_fds(client, [struct.pack("!I", len(request)) + request], [0, 1, 2])
-status = b""
-while len(status) < 4:
-    chunk = client.recv(4 - len(status))
-    if not chunk:
-        sys.exit("the fork server of tests/test_readme.py is gone")
-    status += chunk
-code = struct.unpack("!i", status)[0]
-sys.exit(code if code >= 0 else 128 - code)
-"""
-
-#: imported once by the fork server: what every command imports (not the commands' own
-#: modules, which each command runs afresh as __main__)
-PRELOAD = [
-    "torch",
-    "transformers",
-    "hydra",
-    "wandb",
-    "matplotlib.pyplot",
-    "specdec.decoders",
-    "specdec.decoders.evaluation.benchmark",
-    "specdec.decoders.evaluation.bench_results",
-    "specdec.decoders.evaluation.tracking",
-    "specdec.decoders.evaluation.audit",
-    "specdec.decoders.evaluation.replay",
-    "specdec.decoders.evaluation.report",
-    "specdec.train.job",
-]
-
-
 @pytest.fixture(scope="session")
-def python_on_path() -> dict[str, str]:
+def python_on_path() -> Iterator[dict[str, str]]:
     """The environment the commands run in: this process's, with the fork server's ``python``
-    first on PATH (unless SPECDEC_README_FORK=0)."""
-    env = dict(os.environ)
-    if os.environ.get("SPECDEC_README_FORK", "1") == "0":
+    first on PATH (tests/command_server.py; unless SPECDEC_README_FORK=0)."""
+    with command_server.python_on_path() as env:
         yield env
-        return
-    # AF_UNIX paths are short (108 bytes): a fresh folder under /tmp, not pytest's
-    directory = Path(tempfile.mkdtemp(prefix="readme-"))
-    socket_path = directory / "server"
-    log = open(directory / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(socket_path), *PRELOAD],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 300
-    while not socket_path.exists():
-        assert server.poll() is None, (directory / "server.log").read_text()
-        assert time.monotonic() < deadline, "the fork server did not start"
-        time.sleep(0.1)
-    (directory / "bin").mkdir()
-    shim = directory / "bin" / "python"
-    shim.write_text(SHIM.format(python=sys.executable, socket=str(socket_path)))
-    shim.chmod(0o755)
-    env["PATH"] = f"{directory / 'bin'}{os.pathsep}{env['PATH']}"
-    yield env
-    server.kill()
-    server.wait()
-    log.close()
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_in(directory: Path, text: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -12,8 +12,8 @@ in docs/performance.md, "Why a verification pass is cheap here").
 form for passes of 1 to ``max_rows`` rows. Wider passes (prefills) take oneDNN's packed
 linear where the route uses it below them (float32 outside exact mode, bfloat16), else
 ``F.linear``: a SmolLM2-135M prefill of 179 tokens took 265 against 309 ms in float32, 180
-against 192 ms in bfloat16 (same logits), on the AVX-512 BF16 EPYC. Single rows (standard decoding's step) are computed over two
-columns, the second zero: on the CPU measured, MKL's one-row route made a whole
+against 192 ms in bfloat16 (same logits), on the AVX-512 BF16 EPYC. Single rows (standard
+decoding's step) are computed over two columns, the second zero: MKL's one-row route made a whole
 SmolLM2-135M float32 pass cost 76 ms (median) where the two-column product costs 52 ms.
 From ``PACKED_FROM`` (5) rows on, float32 products take oneDNN's packed linear instead
 (``torch.ops.mkldnn._linear_pointwise`` over a copy of the weight reordered once for it):
@@ -28,10 +28,9 @@ checked for batch invariance like the default route's, :func:`exact_product_rows
 ``F.linear`` reorders a bfloat16 weight for oneDNN on every call: on the AVX-512
 BF16 EPYC measured, a whole SmolLM2-135M pass in exact mode cost 46 ms on the packed
 copy against 61 ms (one token) and 56 against 63 ms (eight), with bit-identical
-logits. It changes no weights, only the order of the floating-point sums,
-and it changes the module itself, so every decoder that runs the model
-(standard decoding, the speculative loop, transformers' ``generate`` in the
-peers) gets it.
+logits. It changes no weights, only the order of the floating-point sums, and it changes
+the module itself, so every decoder that runs the model (standard decoding, the speculative
+loop, transformers' ``generate`` in the peers) gets it.
 
 Exact mode (``model.exact``; :meth:`specdec.decoders.models.target.Target.configure`) routes every
 pass, single rows included, so that a row's product does not depend on how many
@@ -212,11 +211,10 @@ def packed_route_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def _packed_weight(module: torch.nn.Linear, route: LinearRoute, x: torch.Tensor) -> PackedProduct | None:
-    """``module.weight`` in oneDNN's packed layout, packed on first use and again
-    whenever the weight changed (its storage or its in-place version); None where the
-    packed route does not apply: not float32 or bfloat16, or a product autograd must see
-    (oneDNN's packed linear has no backward: a gradient through its input, a frozen layer
-    that a trained adapter feeds, would be silently dropped)."""
+    """``module.weight`` in oneDNN's packed layout, packed on first use and again whenever
+    the weight changed (its storage or its in-place version); None where the packed route
+    does not apply: not float32 or bfloat16, or a product autograd must see (it has no
+    backward: even a frozen layer's input gradient, an adapter's, would be dropped)."""
     weight = module.weight
     if (
         weight.dtype not in PACKABLE
