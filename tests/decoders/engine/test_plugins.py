@@ -10,11 +10,11 @@ import pytest
 
 from specdec.decoders import Draft, Proposer, register_proposer
 from specdec.decoders.engine.plugins import PluginError
+from specdec.decoders.engine.registry import proposer_registry
 
 PROMPT = [5, 6, 7, 8] * 4
 
 
-@register_proposer("test_plugin_drafts_id")
 class DraftsId(Proposer):
     """Drafts ``token`` after a valid one, every round."""
 
@@ -26,7 +26,6 @@ class DraftsId(Proposer):
         return Draft.chain([5, self.config.token])
 
 
-@register_proposer("test_plugin_fails")
 class Fails(Proposer):
     """Raises ``error`` in ``hook``; drafts one token otherwise."""
 
@@ -48,6 +47,17 @@ class Fails(Proposer):
 
     def observe(self, state, round) -> None:
         self._maybe_fail("observe")
+
+
+@pytest.fixture(autouse=True)
+def plugins_registered():
+    """The faulty plugins, registered for this module's tests only: registered at import, they
+    would join every other module's matrix of registered proposers (collection imports all)."""
+    for name, cls in (("test_plugin_drafts_id", DraftsId), ("test_plugin_fails", Fails)):
+        register_proposer(name)(cls)
+    yield
+    for name in ("test_plugin_drafts_id", "test_plugin_fails"):
+        proposer_registry._classes.pop(name, None)
 
 
 @pytest.mark.parametrize("token", [10**6, 320, -1])
