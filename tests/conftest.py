@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -102,13 +103,24 @@ def tiny_pipeline(tiny_model, tiny_config, tmp_path) -> Pipeline:
 @pytest.fixture(scope="session")
 def trained_artifacts(tmp_path_factory) -> Path:
     """An artifacts dir with the default Medusa recipe (copy heads) and an EAGLE drafter
-    trained for the tiny model (seconds), so pipelines over every registered proposer can run."""
+    trained for the tiny model (seconds), so pipelines over every registered proposer can run.
+    Trained once per run: under pytest-xdist the workers share it (the first trains, under a
+    lock, in the run's own folder)."""
+    from filelock import FileLock
+
     from tests.proposers.test_eagle import train_tiny_eagle
     from tests.train.test_train import train_tiny_medusa
 
-    directory = tmp_path_factory.mktemp("trained-artifacts")
-    train_tiny_medusa(directory)
-    train_tiny_eagle(directory)
+    base = tmp_path_factory.getbasetemp()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest-xdist
+    run = base.parent if worker else base  # this run's folder, every worker's
+    directory = run / "trained-artifacts"
+    with FileLock(str(run / "trained-artifacts.lock")):
+        if not (directory / "trained").exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a worker that died half-way
+            train_tiny_medusa(directory)
+            train_tiny_eagle(directory)
+            (directory / "trained").touch()
     return directory
 
 

@@ -63,6 +63,7 @@ def test_the_run_folder_names_the_process(tmp_path):
     assert OmegaConf.create({"a": "${run_id:}"}).a.startswith(f"{os.getpid()}-")
 
 
+@pytest.mark.slow  # several processes at once
 def test_concurrent_writers_of_a_suffix_memory_lose_no_request(tmp_path):
     """Three processes finishing requests into one memory file at once: all three requests
     are in it (each used to write its own memory whole, the last writer winning)."""

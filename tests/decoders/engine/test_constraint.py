@@ -235,9 +235,9 @@ def exact_language_distribution(pipeline: Pipeline, prompt: list[int], sampling:
 SELF_DRAFT = "self_draft"  # stands for a draft model that is the target itself (q = p before the cut)
 SAMPLED_PIPELINES = [
     ("ngram", "rejection"),  # deterministic chain
-    ("grammar", "rejection"),  # forced tokens
+    pytest.param("grammar", "rejection", marks=pytest.mark.slow),  # forced tokens
     ({"name": "ngram", "branches": 3}, "tree"),  # deterministic tree
-    ({"name": "draft_model", "k": 3, "tree": True}, "tree"),  # deterministic dynamic tree
+    pytest.param({"name": "draft_model", "k": 3, "tree": True}, "tree", marks=pytest.mark.slow),  # dynamic
     (
         {"name": "draft_model", "tree": False, "k": 3, "name_or_path": SELF_DRAFT},
         "rejection",
@@ -311,6 +311,7 @@ def test_an_output_that_runs_out_of_tokens_is_marked_incomplete(tiny_pipeline):
     assert tiny_pipeline.generate([5, 6, 7], 4).stats.constraint_complete is None
 
 
+@pytest.mark.slow  # a fresh interpreter that imports and runs everything
 def test_an_unconstrained_run_never_loads_the_grammar_engine(tmp_path):
     script = (
         "import sys\n"

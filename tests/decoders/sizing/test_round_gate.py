@@ -285,7 +285,10 @@ def test_eagle_feeds_the_rounds_kept_plain_at_its_next_draft(drafting_pays, trai
 
 @pytest.mark.parametrize(
     "proposer,verifier",
-    [({"name": "draft_model"}, "rejection"), ({"name": "medusa", "tree": "dynamic"}, "tree")],
+    [
+        ({"name": "draft_model"}, "rejection"),
+        pytest.param({"name": "medusa", "tree": "dynamic"}, "tree", marks=pytest.mark.slow),  # 10-20 s
+    ],
     ids=["draft_model chain, rejection", "medusa sampled tree"],
 )
 def test_rounds_kept_plain_leave_the_sampled_distribution_unchanged(
