@@ -100,28 +100,36 @@ def tiny_pipeline(tiny_model, tiny_config, tmp_path) -> Pipeline:
     return Pipeline(model, tokenizer, model_config=tiny_config, artifacts_dir=tmp_path / "artifacts")
 
 
+def once_per_run(tmp_path_factory, name: str, make) -> Path:
+    """A folder ``make(folder)`` fills once per test run: under pytest-xdist the workers share
+    it (the first makes it, under a lock, in the run's own temporary folder)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # every worker's folder
+    directory = run / name
+    with FileLock(str(run / f"{name}.lock")):
+        if not (run / f"{name}.done").exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a worker that died half-way
+            directory.mkdir()
+            make(directory)
+            (run / f"{name}.done").touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def trained_artifacts(tmp_path_factory) -> Path:
     """An artifacts dir with the default Medusa recipe (copy heads) and an EAGLE drafter
-    trained for the tiny model (seconds), so pipelines over every registered proposer can run.
-    Trained once per run: under pytest-xdist the workers share it (the first trains, under a
-    lock, in the run's own folder)."""
-    from filelock import FileLock
-
+    trained for the tiny model (seconds), so pipelines over every registered proposer can run;
+    trained once per run (:func:`once_per_run`)."""
     from tests.proposers.test_eagle import train_tiny_eagle
     from tests.train.test_train import train_tiny_medusa
 
-    base = tmp_path_factory.getbasetemp()
-    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest-xdist
-    run = base.parent if worker else base  # this run's folder, every worker's
-    directory = run / "trained-artifacts"
-    with FileLock(str(run / "trained-artifacts.lock")):
-        if not (directory / "trained").exists():
-            shutil.rmtree(directory, ignore_errors=True)  # a worker that died half-way
-            train_tiny_medusa(directory)
-            train_tiny_eagle(directory)
-            (directory / "trained").touch()
-    return directory
+    def train(directory: Path) -> None:
+        train_tiny_medusa(directory)
+        train_tiny_eagle(directory)
+
+    return once_per_run(tmp_path_factory, "trained-artifacts", train)
 
 
 @pytest.fixture()

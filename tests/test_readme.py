@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from tests import command_server
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, once_per_run
 from tests.doc_commands import Command, blocks, commands_of
 
 ROOT = Path(REPO_ROOT)
@@ -247,26 +247,32 @@ def model_dir(tmp_path_factory) -> Path:
 def tiny_artifacts(tmp_path_factory, python_on_path) -> Path:
     """The tiny model's drafters (copy heads, EAGLE, a trained exit), trained with the cuts the
     README's recipes get here: what the shipped drafters are to the default model."""
-    directory = tmp_path_factory.mktemp("artifacts")
-    for drafter in ("medusa", "eagle", "early_exit"):
-        line = f"python -m specdec.train drafter={drafter} model=tiny-random logger=disabled"
-        done = run_in(directory, f"{line} {shlex.join(TRAIN_CUTS + DRAFTER_CUTS[drafter])}", python_on_path)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return directory / "artifacts"
+
+    def train(directory: Path) -> None:
+        for drafter in ("medusa", "eagle", "early_exit"):
+            line = f"python -m specdec.train drafter={drafter} model=tiny-random logger=disabled"
+            done = run_in(
+                directory, f"{line} {shlex.join(TRAIN_CUTS + DRAFTER_CUTS[drafter])}", python_on_path
+            )
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    return once_per_run(tmp_path_factory, "readme-artifacts", train) / "artifacts"
 
 
 @pytest.fixture(scope="session")
 def bench_run(tmp_path_factory, tiny_artifacts, python_on_path) -> Path:
     """The quickstart's bench run (``make bench``'s command, from the Makefile, cut): what the
     replay and report commands read."""
-    directory = tmp_path_factory.mktemp("bench-run")
-    shutil.copytree(tiny_artifacts, directory / "artifacts")
-    (recipe,) = re.findall(r"^bench:.*\n\t\$\(PY\) (-m .*)$", (ROOT / "Makefile").read_text(), re.M)
-    quickstart = Command("Makefile", 0, f"python {recipe}")
-    line = f"{quickstart.text} {shlex.join(cuts_for(quickstart))} bench.plots=false hydra.run.dir=run"
-    done = run_in(directory, line, python_on_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return directory / "run"
+
+    def run(directory: Path) -> None:
+        shutil.copytree(tiny_artifacts, directory / "artifacts")
+        (recipe,) = re.findall(r"^bench:.*\n\t\$\(PY\) (-m .*)$", (ROOT / "Makefile").read_text(), re.M)
+        quickstart = Command("Makefile", 0, f"python {recipe}")
+        line = f"{quickstart.text} {shlex.join(cuts_for(quickstart))} bench.plots=false hydra.run.dir=run"
+        done = run_in(directory, line, python_on_path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    return once_per_run(tmp_path_factory, "readme-bench-run", run) / "run"
 
 
 @pytest.fixture(scope="session")
