@@ -56,7 +56,9 @@ def test_a_frozen_layer_passes_its_inputs_gradient_on_the_packed_route():
     route_narrow_linears(layer)
     x = torch.randn(PACKED_FROM + 3, 24, requires_grad=True)
     layer(x).square().sum().backward()
-    expected = torch.autograd.grad(torch.nn.functional.linear(x, layer.weight, layer.bias).square().sum(), x)[0]
+    expected = torch.autograd.grad(torch.nn.functional.linear(x, layer.weight, layer.bias).square().sum(), x)[
+        0
+    ]
     assert x.grad is not None
     torch.testing.assert_close(x.grad, expected)
     assert layer not in linear_route(layer).packed  # not even packed: autograd needs the plain product
