@@ -112,15 +112,9 @@ def test_the_engine_imports_no_plugin():
         assert not plugins, f"{module} imports {plugins}"
 
 
-def test_importing_decoders_leaves_the_plugins_unimported():
-    """Run from another directory, so only the installed names can be imported."""
-    code = (
-        "import sys, specdec.decoders\n"
-        "from specdec.decoders.engine.registry import proposer_registry, verifier_registry\n"
-        "assert 'ngram' in proposer_registry.names() and 'greedy' in verifier_registry.names()\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['specdec', 'proposers'], "
-        "['specdec', 'verifiers'])))\n"
-    )
+def in_fresh_interpreter(code: str) -> str:
+    """What ``code`` prints, run by a fresh interpreter in another directory (so only the
+    installed names can be imported)."""
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=Path(tempfile.gettempdir()),
@@ -128,7 +122,18 @@ def test_importing_decoders_leaves_the_plugins_unimported():
         text=True,
         check=True,
     )
-    assert result.stdout.strip() == "[]"
+    return result.stdout.strip()
+
+
+def test_importing_decoders_leaves_the_plugins_unimported():
+    code = (
+        "import sys, specdec.decoders\n"
+        "from specdec.decoders.engine.registry import proposer_registry, verifier_registry\n"
+        "assert 'ngram' in proposer_registry.names() and 'greedy' in verifier_registry.names()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['specdec', 'proposers'], "
+        "['specdec', 'verifiers'])))\n"
+    )
+    assert in_fresh_interpreter(code) == "[]"
 
 
 #: The layers, lowest first: a module imports only from its own layer or lower ones
@@ -270,14 +275,7 @@ def test_importing_one_train_module_imports_no_other_part():
         "import sys, specdec.train.checkpoints\n"
         "print(sorted(m for m in sys.modules if m.startswith(('specdec.train.', 'specdec.proposers'))))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(tempfile.gettempdir()),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert result.stdout.strip() == "['specdec.train.checkpoints']"
+    assert in_fresh_interpreter(code) == "['specdec.train.checkpoints']"
 
 
 #: The most lines a file has unless docs/architecture.md's "Files over 400 lines" table lists it.
