@@ -33,7 +33,8 @@ class NgramProposer(Proposer):
 
     @dataclass
     class Config:
-        k: int = 5  # tokens proposed per continuation
+        # longest draft from one match: the sizing sends what the request's acceptance says holds
+        k: int = 24
         min_n: int = 1
         max_n: int = 3
         branches: int = 1  # continuations from distinct earlier occurrences (1 = chain)

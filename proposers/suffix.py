@@ -80,8 +80,8 @@ class SuffixProposer(Proposer):
 
     @dataclass
     class Config:
-        k: int = 8  # deepest path of a draft tree (tokens after the pending one)
-        max_nodes: int = 16  # largest draft tree
+        k: int = 24  # deepest path of a draft tree (tokens after the pending one)
+        max_nodes: int = 32  # largest draft tree
         max_match: int = 16  # longest suffix of the context looked up
         # matches of different lengths whose trees are joined: the longest, then shorter
         # ones that occurred more often (1 = the longest match only)

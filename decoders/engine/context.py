@@ -52,6 +52,8 @@ class Sizing(Protocol):
 
     def check_budget(self, budget: Any) -> Any: ...  # a tree_budget option, checked
 
+    def start_request(self, proposer: Any) -> None: ...  # a request begins: its sizers follow it
+
     def confidence(self, probability: float) -> int: ...  # a chain's situation key
 
     def node_key(self, depth: int, probability: float) -> tuple[int, int]: ...  # a node's situation key

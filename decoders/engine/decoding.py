@@ -195,6 +195,9 @@ class Decoding:
         if proposer is not None:
             with plugin_code(proposer, "begin"):
                 proposer.begin(self.state)
+            sizing = getattr(getattr(proposer, "context", None), "sizing", None)
+            if sizing is not None:  # the request's own acceptance, over the pooled prior
+                sizing.start_request(proposer)
             if self.gate is not None:
                 self.gate.begin()
         # A live cost curve learns from the passes; not from those that reuse drafting work.

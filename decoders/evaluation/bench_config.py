@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from specdec.decoders.cli.config import store_schema, to_dataclass
+from specdec.decoders.evaluation.peers import PROMPT_LOOKUP_TOKENS
 
 # Measured when neither proposer= nor bench.pipelines= is given: the best pipeline of each
 # proposer family on the default target (README "Measured results"; docs/benchmarks.md).
@@ -42,6 +43,10 @@ class BenchConfig:
     aa: bool = True  # standard decoding twice, in step: "standard (A/A)" is the speedup noise alone gives
     peers: Any = False  # also measure transformers' peers: true = default_peers, all, or a list of names
     default_peers: list[str] = field(default_factory=lambda: list(DEFAULT_PEERS))
+    # the tokens hf_prompt_lookup drafts from each match (its reference setting; it cannot size
+    # its drafts, so it does not take our ngram's k, the longest draft ngram's sizing may send);
+    # a list, e.g. [5,10]: one peer per setting, hf_prompt_lookup_5, hf_prompt_lookup_10
+    prompt_lookup_tokens: Any = PROMPT_LOOKUP_TOKENS
     # results.json (conf/bench.yaml: Hydra's output directory, outputs/bench/DATE_TIME/ for a
     # run, multirun/DATE_TIME/JOB/ for each job of a sweep); the plots go next to it
     output: str = "results.json"
@@ -76,6 +81,13 @@ class BenchConfig:
         for option in ("repeats", "max_new_tokens", "batch_repeats"):
             if int(getattr(self, option)) < 1:
                 raise ValueError(f"bench.{option}={getattr(self, option)}: must be at least 1")
+        lookup = self.prompt_lookup_tokens
+        settings = list(lookup) if isinstance(lookup, list | tuple) else [lookup]
+        if not settings or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in settings):
+            raise ValueError(
+                f"bench.prompt_lookup_tokens={lookup}: give a number of tokens >= 1, or a list of them"
+            )
+        self.prompt_lookup_tokens = [int(n) for n in settings] if isinstance(lookup, list | tuple) else lookup
         if self.batch_size is not None and (
             not self.batch_sizes or any(size < 1 for size in self.batch_sizes)
         ):

@@ -155,6 +155,7 @@ def format_table(payload: dict) -> str:
             lines.append(
                 f"  {e['name']:<26} valid {e['valid_outputs']:.2f}  complete {e['complete_outputs']:.2f}{grammar}"
             )
+    lines += category_drafts(payload)
     lines += slower_categories(payload)
     if verdict := aa_verdict(payload):
         lines.append(verdict)
@@ -184,6 +185,33 @@ def aa_verdict(payload: dict) -> str | None:
         "decoding against itself moved that far, so this run cannot support differences of that size; "
         "run it again on a quieter machine or with bench.repeats=2"
     )
+
+
+def category_drafts(payload: dict) -> list[str]:
+    """Per workload category, each contender's tok/s and, for those that draft (our pipelines,
+    and transformers' assisted peers, whose rounds are counted), its mean draft length (draft
+    tokens per target pass) and the share of drafted tokens accepted: "tok/s length/acceptance".
+    No lines for a run of one category."""
+    entries = [e for e in payload["pipelines"] if e.get("categories") and e["kind"] != "control"]
+    categories = list(dict.fromkeys(c for e in entries for c in e["categories"]))
+    if len(categories) < 2:
+        return []
+
+    def cell(figures: dict | None) -> str:
+        if not figures:
+            return "-"
+        text = f"{figures['tokens_per_s']:.1f}"
+        if figures.get("mean_draft_size") is not None and figures.get("acceptance_rate") is not None:
+            text += f" {figures['mean_draft_size']:.1f}/{figures['acceptance_rate']:.2f}"
+        return text
+
+    width = max(14, *(len(e["name"]) for e in entries))
+    lines = ["per category: tok/s, and draft tokens per pass / their acceptance where counted:"]
+    lines.append(f"  {'category':<16}" + "".join(f" {e['name'][:width]:>{width}}" for e in entries))
+    for category in categories:
+        row = "".join(f" {cell(e['categories'].get(category)):>{width}}" for e in entries)
+        lines.append(f"  {category:<16}{row}")
+    return lines
 
 
 def slower_categories(payload: dict) -> list[str]:

@@ -119,7 +119,8 @@ def pipeline_contender(pipeline: Pipeline, name: str = "standard", kind: str = "
 def peer_contender(peer) -> Contender:
     def run(prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None = None) -> Record:
         tokens, elapsed, complete = peer.run(prompt_ids, max_new_tokens, constraint)
-        return Record("", "", 0, 0, len(tokens), elapsed, tokens, constraint_complete=complete)
+        counts = peer.rounds.record_fields() if peer.rounds is not None else {}
+        return Record("", "", 0, 0, len(tokens), elapsed, tokens, constraint_complete=complete, **counts)
 
     return Contender(peer.name, "peer", None, None, run)
 
@@ -247,7 +248,14 @@ def contenders_for(
     names = chosen_peers(bench.peers, bench.default_peers or ["hf_generate"])
     if names != []:
         proposers = {p.proposer.name: p.proposer for p in pipelines if p.proposer is not None}
-        peers = make_peers(base.model, sorted(base.eos_token_ids()), base.sampling, proposers, names)
+        peers = make_peers(
+            base.model,
+            sorted(base.eos_token_ids()),
+            base.sampling,
+            proposers,
+            names,
+            bench.prompt_lookup_tokens,
+        )
         contenders += [peer_contender(peer) for peer in peers]
     if bench.exact_off and base.target.exact:
         twins = [base.with_components(None, None)] + build_pipelines(cfg, base)

@@ -73,18 +73,19 @@ def summarize(records: list[Record]) -> dict:
     new_tokens = sum(r.new_tokens for r in records)
     wall = sum(r.wall_time for r in records)
     instrumented = [r for r in records if r.target_passes is not None]
-    tau = None
-    acceptance = None
+    tau = acceptance = draft_size = None
     if instrumented:
         emitted = sum(sum(r.emitted_per_round) for r in instrumented)
-        tau = _ratio(emitted, sum(r.target_passes or 0 for r in instrumented))
-        acceptance = _ratio(
-            sum(r.accepted or 0 for r in instrumented), sum(r.proposed or 0 for r in instrumented)
-        )
+        passes = sum(r.target_passes or 0 for r in instrumented)
+        proposed = sum(r.proposed or 0 for r in instrumented)
+        tau = _ratio(emitted, passes)
+        acceptance = _ratio(sum(r.accepted or 0 for r in instrumented), proposed)
+        draft_size = _ratio(proposed, passes)  # draft tokens verified per target pass
     return {
         "tokens_per_s": _ratio(new_tokens, wall) or 0.0,
         "mean_accepted_tokens": tau,
         "acceptance_rate": acceptance,
+        "mean_draft_size": draft_size,
         "new_tokens": new_tokens,
         "wall_time": wall,
     }
@@ -162,6 +163,8 @@ def compared(records: list[Record], baseline: list[Record], keep: Callable[[str]
             [r for r in records if keep(r.category)], [r for r in baseline if keep(r.category)]
         ),
         "mean_accepted_tokens": mine["mean_accepted_tokens"],
+        "acceptance_rate": mine["acceptance_rate"],
+        "mean_draft_size": mine["mean_draft_size"],
     }
 
 

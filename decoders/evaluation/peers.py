@@ -20,7 +20,9 @@ whose counterpart runs; a list (``bench.peers=[hf_generate,hf_assisted]``) those
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,11 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from specdec.decoders.engine.constraint import Constraint, GrammarState
 from specdec.decoders.engine.sampling import SamplingConfig
+
+# Prompt lookup drafts this many tokens from every match (bench.prompt_lookup_tokens): the
+# method's reference setting (10 tokens, n-grams up to 3). It cannot size a draft, so it is not
+# given our ngram's k, the longest draft ngram's sizing may choose.
+PROMPT_LOOKUP_TOKENS = 10
 
 PEER_COUNTERPART = {
     "hf_generate": None,
@@ -45,6 +52,11 @@ class HFPeer:
     eos_token_ids: list[int]
     sampling: SamplingConfig
     generate_kwargs: dict[str, Any] = field(default_factory=dict)
+    rounds: PeerRounds | None = None  # the last run's rounds (an assisted peer's counts)
+    family: str = ""  # the name bench.peers picks it by (default: its name)
+
+    def __post_init__(self) -> None:
+        self.family = self.family or self.name
 
     @torch.inference_mode()
     def run(
@@ -76,10 +88,71 @@ class HFPeer:
         if constraint is not None:  # its start (a matcher) is timed: our pipelines' is too
             processor = GrammarLogitsProcessor(constraint.start(), len(prompt_ids))
             kwargs["logits_processor"] = LogitsProcessorList([processor])
-        output = self.model.generate(**kwargs)
+        self.rounds = PeerRounds()
+        with self.rounds.counting(self.model):
+            output = self.model.generate(**kwargs)
         elapsed = time.perf_counter() - start
         tokens = output[0, len(prompt_ids) :].tolist()
         return tokens, elapsed, None if processor is None else processor.complete(tokens)
+
+
+@dataclass
+class PeerRounds:
+    """An assisted peer's rounds, as transformers ran them (its drafted and accepted counts):
+    each round's candidate tokens, and how many of them its verification kept. transformers
+    returns neither, so for the length of one ``generate`` the candidate generator it builds
+    is wrapped, reading what its ``get_candidates`` returns and the matches its loop reports to
+    ``update_candidate_strategy``. Plain ``generate`` builds none: no rounds (``None``)."""
+
+    sizes: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def counted(self) -> bool:
+        return bool(self.accepted)
+
+    @contextlib.contextmanager
+    def counting(self, model: torch.nn.Module) -> Iterator[None]:
+        build = model._get_candidate_generator
+        rounds = self
+
+        def counted_generator(*args: Any, **kwargs: Any) -> Any:
+            generator = build(*args, **kwargs)
+            propose, update = generator.get_candidates, generator.update_candidate_strategy
+
+            def get_candidates(input_ids: torch.Tensor, *more: Any, **options: Any) -> Any:
+                candidates, logits = propose(input_ids, *more, **options)
+                rounds.sizes.append(int(candidates.shape[1] - input_ids.shape[1]))
+                return candidates, logits
+
+            def update_candidate_strategy(input_ids: torch.Tensor, scores: Any, num_matches: Any) -> Any:
+                rounds.accepted.append(int(num_matches))
+                return update(input_ids, scores, num_matches)
+
+            generator.get_candidates = get_candidates
+            generator.update_candidate_strategy = update_candidate_strategy
+            return generator
+
+        model.__dict__["_get_candidate_generator"] = counted_generator  # this model, this call only
+        try:
+            yield
+        finally:
+            model.__dict__.pop("_get_candidate_generator", None)
+
+    def record_fields(self) -> dict[str, Any]:
+        """The counters of a benchmark record (:class:`~specdec.decoders.evaluation.metrics.Record`),
+        empty when nothing was counted. Every round emits its matches and one token of the
+        target's own."""
+        if not self.counted:
+            return {}
+        sizes = self.sizes[: len(self.accepted)]
+        return {
+            "target_passes": len(self.accepted),
+            "proposed": sum(sizes),
+            "accepted": sum(self.accepted),
+            "draft_sizes": sizes,
+            "emitted_per_round": [matches + 1 for matches in self.accepted],
+        }
 
 
 class GrammarLogitsProcessor(LogitsProcessor):
@@ -137,15 +210,19 @@ def make_peers(
     sampling: SamplingConfig,
     proposers: dict[str, Any],
     names: list[str] | None = None,
+    prompt_lookup_tokens: int | list[int] = PROMPT_LOOKUP_TOKENS,
 ) -> list[HFPeer]:
     """hf_generate plus each peer whose counterpart proposer is being benchmarked, of
     ``names`` (None: all of them).
 
     proposers: name -> Proposer instance of the pipelines in this run (their
-    options set the peer's: same k, same draft model, same exit layer).
+    options set the peer's: same draft model, same exit layer, same n-gram sizes).
+    ``prompt_lookup_tokens``: the tokens prompt lookup drafts from a match
+    (``bench.prompt_lookup_tokens``); not our ngram's ``k``, which is only its longest draft.
+    Several: one peer per setting, ``hf_prompt_lookup_N``.
     """
-    peers = _counterpart_peers(target, eos_token_ids, sampling, proposers)
-    return [peer for peer in peers if names is None or peer.name in names]
+    peers = _counterpart_peers(target, eos_token_ids, sampling, proposers, prompt_lookup_tokens)
+    return [peer for peer in peers if names is None or peer.family in names]
 
 
 def _counterpart_peers(
@@ -153,19 +230,23 @@ def _counterpart_peers(
     eos_token_ids: list[int],
     sampling: SamplingConfig,
     proposers: dict[str, Any],
+    prompt_lookup_tokens: int | list[int],
 ) -> list[HFPeer]:
     peers = [HFPeer("hf_generate", target, eos_token_ids, sampling)]
     if "ngram" in proposers:
         ngram = proposers["ngram"].config
-        peers.append(
-            HFPeer(
-                "hf_prompt_lookup",
-                target,
-                eos_token_ids,
-                sampling,
-                {"prompt_lookup_num_tokens": ngram.k, "max_matching_ngram_size": ngram.max_n},
+        settings = prompt_lookup_tokens if isinstance(prompt_lookup_tokens, list) else [prompt_lookup_tokens]
+        for tokens in settings:
+            peers.append(
+                HFPeer(
+                    "hf_prompt_lookup" if len(settings) == 1 else f"hf_prompt_lookup_{tokens}",
+                    target,
+                    eos_token_ids,
+                    sampling,
+                    {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram.max_n},
+                    family="hf_prompt_lookup",
+                )
             )
-        )
     if "draft_model" in proposers:
         draft = proposers["draft_model"]
         peers.append(

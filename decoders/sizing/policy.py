@@ -51,6 +51,7 @@ from specdec.decoders.sizing.search import (
     Sizer,
     best_size,
     check_budget,
+    start_request,
 )
 from specdec.decoders.sizing.tree_budget import TreeBudget
 
@@ -198,6 +199,13 @@ class SizingPolicy:
         """T(1) .. T(max_tokens), non-decreasing: for a proposer that prices its own drafting
         in passes of the target (early exit)."""
         return PassSeconds(self.cost_curve, max_tokens)
+
+    @staticmethod
+    def start_request(proposer: Any) -> None:
+        """A request begins for ``proposer`` (after its ``begin``): every sizer it holds starts
+        the request's own acceptance counts, over those pooled across requests
+        (:mod:`specdec.decoders.sizing.acceptance`, "The request in hand")."""
+        start_request(proposer)
 
     @staticmethod
     def check_budget(budget: Any) -> Any:

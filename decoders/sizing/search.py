@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from specdec.decoders.engine.draft import Round
 from specdec.decoders.models.cost import CostCurve
+from specdec.decoders.sizing.acceptance import AcceptanceStats
 
 MIN_GAIN = 0.01  # a bigger draft must promise this much more tokens per second
 
@@ -137,9 +138,21 @@ class Sizer:
         self.rounds = 0
 
     def for_request(self) -> Sizer:
-        """This sizer for another request decoded at the same time: what it measured (its
-        statistics objects) shared, its note of the last choice (set anew at each) its own."""
-        return copy.copy(self)
+        """This sizer for another request decoded at the same time: what it measured over
+        every request (its statistics' pooled counts) shared; the request's own counts, its
+        probes and its note of the last choice (set anew at each) its own."""
+        other = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, AcceptanceStats | Probe):
+                setattr(other, name, value.for_request())
+        return other
+
+    def start_request(self) -> None:
+        """A request begins: its statistics start its own counts (the pooled ones stay) and
+        its probes their waits (:func:`start_request` calls it for every sizer of a proposer)."""
+        for value in vars(self).values():
+            if isinstance(value, AcceptanceStats | Probe):
+                value.start_request()
 
     @property
     def mean_draft_seconds(self) -> float:
@@ -169,6 +182,17 @@ class Probe:
         self.wait: dict[Hashable, int] = {}  # rounds between probes, per key (every when absent)
         self._probed: set[Hashable] = set()  # keys whose last round was a probe
 
+    def start_request(self) -> None:
+        """A request begins: every situation waits ``every`` rounds again before a probe."""
+        self.skipped.clear()
+        self.wait.clear()
+        self._probed.clear()
+
+    def for_request(self) -> Probe:
+        other = copy.copy(self)
+        other.skipped, other.wait, other._probed = Counter(), {}, set()
+        return other
+
     def __call__(self, key: Hashable, size: int) -> int:
         probed = key in self._probed
         self._probed.discard(key)
@@ -185,3 +209,20 @@ class Probe:
         self.skipped[key] = 0
         self._probed.add(key)
         return 1
+
+
+def start_request(proposer: object, seen: set[int] | None = None) -> None:
+    """A request begins for ``proposer``: every sizer it holds (and the proposers it holds
+    hold: a merge's members, a wrapped proposer) starts the request's own counts
+    (:meth:`Sizer.start_request`). The engine calls it after ``Proposer.begin``, so that
+    sizing follows each request whatever the proposer's own ``begin`` does."""
+    seen = set() if seen is None else seen
+    if id(proposer) in seen:
+        return
+    seen.add(id(proposer))
+    for value in vars(proposer).values():
+        for item in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(item, Sizer):
+                item.start_request()
+            elif callable(getattr(item, "propose", None)) and hasattr(item, "__dict__"):
+                start_request(item, seen)

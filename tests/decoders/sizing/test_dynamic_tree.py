@@ -162,7 +162,7 @@ def test_by_level_prices_an_untried_depth_from_the_level_above():
     assert stats.rate((0, 2, "memory")) == pytest.approx(0.25) == plain.rate((0, 2, "memory"))
     # depth 3 was never tried: the bucket's middle alone, or the level above's measured rate
     assert plain.rate((3, 5, "request")) == pytest.approx(0.55)
-    assert stats.rate((3, 5, "request")) == pytest.approx(stats.rate((2, 5, "request")))
+    assert stats.pooled((3, 5, "request")) == pytest.approx(stats.pooled((2, 5, "request")))
     assert stats.rate((3, 5, "request")) > 0.95
     # a deep node that then fails pulls its own rate down from that prior
     for _ in range(8):
