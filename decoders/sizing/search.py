@@ -183,14 +183,14 @@ class Probe:
         self._probed: set[Hashable] = set()  # keys whose last round was a probe
 
     def start_request(self) -> None:
-        """A request begins: every situation waits ``every`` rounds again before a probe."""
-        self.skipped.clear()
+        """A request begins: the waits go back to ``every`` (the rounds skipped so far still
+        count, so that short requests are probed too)."""
         self.wait.clear()
         self._probed.clear()
 
     def for_request(self) -> Probe:
         other = copy.copy(self)
-        other.skipped, other.wait, other._probed = Counter(), {}, set()
+        other.skipped, other.wait, other._probed = Counter(self.skipped), {}, set()
         return other
 
     def __call__(self, key: Hashable, size: int) -> int:

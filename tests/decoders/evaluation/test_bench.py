@@ -220,7 +220,7 @@ def test_bench_pipelines_list_runs_several_pipelines_in_one_run(tmp_path, monkey
     assert entries["ngram_k2"]["identical_outputs"] == 1.0
     assert 0 < entries["ngram_k2"]["mean_draft_size"] <= 2  # its own options, not the first entry's
     assert entries["ngram_k2"]["info"]["proposer_config"]["k"] == 2
-    assert entries["ngram+greedy"]["info"]["proposer_config"]["k"] == 5
+    assert entries["ngram+greedy"]["info"]["proposer_config"]["k"] == 24
 
 
 def test_default_pipelines_skip_the_ones_without_a_trained_artifact(tmp_path, monkeypatch, capsys):

@@ -136,8 +136,11 @@ def test_start_request_reaches_every_sizer_of_a_proposer_and_its_members():
     for sizer in sizers:
         sizer.stats.record(chain(2), [("k", 1), ("k", 2)], path=[0, 1])
         assert sizer.stats.situation == WHOLE
-    joined.members[0].sizer._probe(None, 0)
+    probe = joined.members[0].sizer._probe
+    for _ in range(4 + 7):  # a probe that leaves its situation off doubles the wait
+        probe(None, 0)
+    assert probe.wait[None] == 8
     start_request(joined)
     assert all(s.stats.situation == OPENING and not s.stats.request_tried for s in sizers)
     assert all(s.stats.tried for s in sizers)  # the pooled counts stay
-    assert not joined.members[0].sizer._probe.skipped[None]
+    assert None not in probe.wait  # the base wait again
