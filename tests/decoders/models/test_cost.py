@@ -121,16 +121,17 @@ def test_the_live_curve_changes_only_every_refresh_passes_and_with_enough_sample
 
 
 def test_the_sizing_follows_the_live_curve():
-    """A chain drafted in full on the cached flat curve (every node of some value pays)
-    stops being drafted once the passes timed show that a pass over two tokens costs
-    three times one over one (PassSeconds re-reads the curve when it changes)."""
+    """A chain drafted in full on the cached flat curve stops being drafted once the passes
+    timed show that a pass over two tokens costs ten times one over one, more than the five
+    tokens a round of four accepted ones gives (PassSeconds re-reads the curve when it
+    changes)."""
     times = cost.PassTimes(cost.CostCurve({1: 1.0, 2: 1.0, 8: 1.0}), min_samples=1, refresh=1)
     policy = DraftLengthPolicy(4, lambda: times.curve)
     for _ in range(20):
-        policy.record("k", 4, 1)  # depth 1 accepted every time, depth 2 never
+        policy.record("k", 4, 4)  # every drafted token accepted
     assert policy.choose("k", 4) == 4
     times.record(1, 1.0)
-    times.record(2, 3.0)
+    times.record(2, 10.0)
     assert policy.choose("k", 4) == 0
 
 
