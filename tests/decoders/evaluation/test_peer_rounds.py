@@ -11,19 +11,13 @@ from specdec.decoders.evaluation.bench_results import category_drafts
 from specdec.decoders.evaluation.contenders import peer_contender
 from specdec.decoders.evaluation.metrics import summarize
 from specdec.decoders.evaluation.peers import HFPeer
+from tests.architectures import COMMON
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
+    config = LlamaConfig(**COMMON)  # the architecture matrix's tiny sizes
     return LlamaForCausalLM(config).eval()
 
 
