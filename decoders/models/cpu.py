@@ -18,6 +18,9 @@ Capabilities (names as the probe reports them and as skipped tests name them):
     vocabulary products take it where it holds and ``F.linear`` where it does not.
 ``onednn_f32_linear``
     the same in float32 (x86 builds of PyTorch; float32's wider narrow passes take it).
+``native_attention``
+    exact mode's attention kernel in C builds here (:mod:`specdec.decoders.models.native`:
+    a C compiler with OpenMP); without it exact attention takes its Python route.
 
 ``SPECDEC_CPU_ABSENT`` (comma-separated names, or ``all``) makes this process treat
 capabilities as absent, whatever the CPU has: an AVX-512 machine then takes the routes
@@ -55,10 +58,17 @@ def _probe_onednn_linear(dtype: torch.dtype) -> bool:
         return False
 
 
+def _probe_native_attention() -> bool:
+    from specdec.decoders.models import native
+
+    return native.available()
+
+
 PROBES = {
     "native_bf16": _probe_native_bf16,
     "onednn_bf16_linear": lambda: _probe_onednn_linear(torch.bfloat16),
     "onednn_f32_linear": lambda: _probe_onednn_linear(torch.float32),
+    "native_attention": lambda: _probe_native_attention(),
 }
 
 # what each capability needs, for messages and skipped tests
@@ -66,6 +76,7 @@ NEEDS = {
     "native_bf16": "AVX-512 BF16 or AMX",
     "onednn_bf16_linear": "avx512bw, avx512vl and avx512dq, or avx_ne_convert",
     "onednn_f32_linear": "an x86 build of PyTorch with oneDNN",
+    "native_attention": "a C compiler with OpenMP (cc or $CC) to build exact mode's attention kernel",
 }
 
 

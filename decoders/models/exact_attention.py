@@ -42,6 +42,8 @@ import weakref
 
 import torch
 
+from specdec.decoders.models import native
+
 CHUNK = 64  # keys per chunk, in absolute positions
 MKL_MIN_ROWS = 4  # float32/float64 query rows per product: MKL computes 1-3 rows unlike 4 or more
 MAX_ROWS = 64  # wider passes (the prefill) use SDPA
@@ -56,8 +58,9 @@ class TailLayouts:
     tensors). One per :class:`specdec.decoders.models.target.Target` (the attention it
     registers carries it)."""
 
-    def __init__(self, keep: int = 64) -> None:
+    def __init__(self, keep: int = 64, build=None) -> None:
         self.keep = keep
+        self.build = tail_layout if build is None else build  # or visible_layout (the C kernel's)
         self.held: dict[tuple[int, int, int], tuple[weakref.ref | None, Layout | None]] = {}
 
     def __call__(self, mask: torch.Tensor | None, prefix: int, rows: int, device: torch.device):
@@ -66,7 +69,7 @@ class TailLayouts:
             ref, layout = found
             if ref is None or ref() is mask:  # (an id can be reused once its tensor is gone)
                 return layout
-        layout = tail_layout(mask, prefix, rows, device)
+        layout = self.build(mask, prefix, rows, device)
         if len(self.held) >= self.keep:
             self.held.clear()
         self.held[key] = (None if mask is None else weakref.ref(mask), layout)
@@ -82,27 +85,35 @@ def exact_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     layouts: TailLayouts | None = None,
+    visible: TailLayouts | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: query (1, heads, q, d), key/value
     (1, kv_heads, kv, d) with the pass's q tokens last; returns (1, q, heads, d). A
-    :class:`specdec.decoders.models.target.Target` registers it with its own ``layouts``."""
+    :class:`specdec.decoders.models.target.Target` registers it with its own ``layouts`` and
+    ``visible`` (memos of :func:`tail_layout` and :func:`visible_layout`).
+
+    Where exact mode's C kernel runs (:mod:`specdec.decoders.models.native`) it computes every
+    row; elsewhere the Python route below does."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, rows, dim = query.shape
     prefix = key.shape[2] - rows
-    layout = None
-    if (
-        batch == 1
-        and rows <= MAX_ROWS
-        and not dropout
-        and not kwargs.get("softcap")
-        and not kwargs.get("s_aux")
-    ):
-        layout = (layouts or tail_layout)(attention_mask, prefix, rows, query.device)
+    decode = batch == 1 and rows <= MAX_ROWS and not dropout and not kwargs.get("softcap")
+    decode = decode and not kwargs.get("s_aux")
+    scale = dim**-0.5 if scaling is None else scaling
+    function = native.kernel(query.dtype) if decode and query.device.type == "cpu" else None
+    if function is not None:
+        rows_layout = (visible or visible_layout)(attention_mask, prefix, rows, query.device)
+        if rows_layout is None:
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout, scaling, **kwargs
+            )
+        out = native.attend(function, query[0], key[0], value[0], prefix, *rows_layout, scale)
+        return out.unsqueeze(0), None
+    layout = (layouts or tail_layout)(attention_mask, prefix, rows, query.device) if decode else None
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    scale = dim**-0.5 if scaling is None else scaling
     compute = torch.promote_types(query.dtype, torch.float32)  # bfloat16 in float32: MKL's small products
     parts = (query[0].to(compute), key[0].to(compute), value[0].to(compute))
     out = _invariant_attention(*parts, prefix, layout, scale)  # (heads, q, d)
@@ -132,6 +143,22 @@ def tail_layout(mask: torch.Tensor | None, prefix: int, rows: int, device: torch
         seen_prefix = bool(visible[:, :prefix].all()) if prefix else True
         layout = _layout_from_block(visible[:, prefix:], prefix) if seen_prefix else None
     return layout
+
+
+def visible_layout(
+    mask: torch.Tensor | None, prefix: int, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C kernel's layout: each row's visible block entries in order and their counts
+    (:func:`specdec.decoders.models.native.visible_rows`); None when some row does not see the
+    whole prefix (as :func:`tail_layout`)."""
+    if mask is None:
+        block = torch.ones(rows, rows, dtype=torch.bool).tril()
+    else:
+        seen = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0  # (rows, prefix + rows)
+        if prefix and not bool(seen[:, :prefix].all()):
+            return None
+        block = seen[:, prefix:].cpu()
+    return native.visible_rows(block)
 
 
 def _layout_from_block(block: torch.Tensor, prefix: int) -> Layout:

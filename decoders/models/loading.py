@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from specdec.decoders.models import cpu
 from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.fused_layers import fusion_differs, wants_fused
 from specdec.decoders.models.kernels import wants_exact, wants_narrow_routing
 from specdec.decoders.models.target import Target
 
@@ -48,6 +49,10 @@ class ModelConfig:
         decoding exactly, not only up to floating-point ties (exact attention,
         exact linear routes; see :func:`specdec.decoders.models.kernels.wants_exact` for where
         ``auto`` turns it on). Announced at load time with a check on the model.
+    fused_layers: ``auto``, ``true`` or ``false``: Llama-shaped decoder layers run fused
+        (stacked projections, no submodule calls; :mod:`specdec.decoders.models.fused_layers`),
+        stacked where a check on the model's weights finds the bits kept; ``auto`` = wherever
+        the linears are routed (narrow passes or exact mode).
     live_cost: the sizing's T(n) follows the verification passes timed while decoding
         (:class:`specdec.decoders.models.cost.PassTimes`), not only the cached measurement;
         off wherever a fixed curve is given (``SPECDEC_COST_CURVE``, tests).
@@ -60,6 +65,7 @@ class ModelConfig:
     device_map: str | None = None  # e.g. auto, for models larger than one GPU
     narrow_passes: Any = "auto"  # auto, true or false (a string or a bool: Any)
     exact: Any = "auto"  # auto, true or false
+    fused_layers: Any = "auto"  # auto, true or false
     live_cost: bool = True
     # tiny-random only
     vocab_size: int = 320
@@ -198,7 +204,10 @@ def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> Target:
             f" (linears on F.linear: oneDNN's packed bfloat16 linear needs {cpu.NEEDS['onednn_bf16_linear']},"
             " which this CPU lacks)"
         )
-    target = Target(model, narrow, exact)
+    target = Target(model, narrow, exact, fused=wants_fused(cfg.fused_layers, narrow or exact))
+    if target.fused and (differs := fusion_differs(model)) is not None:
+        target.fusion.stacked = False
+        print(f"[fused] {differs}: the projections run apart", file=sys.stderr)
     kept = announce_exact_mode(model, exact, reason, automatic=str(cfg.exact) == "auto")
     if exact and not kept:
         target.configure(narrow, exact=False)

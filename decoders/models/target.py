@@ -45,7 +45,8 @@ from specdec.decoders.models.architecture import PassPositions, decoder_of
 from specdec.decoders.models.batch import BatchLayout, check_batchable, packed_attention, packed_forward
 from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
 from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
-from specdec.decoders.models.exact_attention import TailLayouts, exact_attention
+from specdec.decoders.models.exact_attention import TailLayouts, exact_attention, visible_layout
+from specdec.decoders.models.fused_layers import Fusion, fuse_layers, unfuse_layers
 from specdec.decoders.models.kernels import (
     DEFAULT_MAX_ROWS,
     PACKED_FROM,
@@ -66,7 +67,9 @@ class Target:
     """A model and its passes. ``narrow``: the narrow matmul route for passes of a few
     tokens; ``exact``: every pass batch-invariant (:mod:`specdec.decoders.models.kernels`)."""
 
-    def __init__(self, model: torch.nn.Module, narrow: bool = False, exact: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, narrow: bool = False, exact: bool = False, fused: bool = False
+    ) -> None:
         if isinstance(model, Target):
             raise TypeError("Target(model): give the nn.Module, not a Target")
         self.model = model
@@ -92,22 +95,31 @@ class Target:
         self._routes: dict[tuple[bool, bool], LinearRoute] = {}
         self._packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._widths: dict = {}
-        self.narrow = self.exact = False
-        self.configure(narrow, exact)
+        self.fusion = Fusion()  # the fused layers' stacked weights
+        self.narrow = self.exact = self.fused = False
+        self.configure(narrow, exact, fused)
         # the registrations live as long as the module that runs them (it may outlive this object);
         # then transformers' registry is left clean
         weakref.finalize(model, _unregister, list(self._attention_names.values()))
 
     # ------------------------------------------------------------------ passes
 
-    def configure(self, narrow: bool, exact: bool) -> None:
-        """Route the linears and attention: the narrow route, exact mode, both or neither.
-        Can be called again to switch (the benchmark's exact-off twins)."""
+    def configure(self, narrow: bool, exact: bool, fused: bool | None = None) -> None:
+        """Route the linears and attention: the narrow route, exact mode, both or neither;
+        ``fused``: Llama-shaped layers run fused (:mod:`specdec.decoders.models.fused_layers`;
+        None: as they are). Can be called again to switch (the benchmark's exact-off twins)."""
         if narrow or exact or linear_route(self.model) is not None:
             self.route(self.model, narrow=narrow, exact=exact)
+        if fused is not None:
+            if fused:
+                fuse_layers(self.model, self.fusion)
+            else:
+                unfuse_layers(self.model)
+            self.fused = fused
         self.narrow, self.exact = narrow, exact
         if exact:
-            self._attend("exact", functools.partial(exact_attention, layouts=TailLayouts()))
+            layouts = TailLayouts(), TailLayouts(build=visible_layout)
+            self._attend("exact", functools.partial(exact_attention, layouts=layouts[0], visible=layouts[1]))
         elif narrow:
             self._attend("packed", functools.partial(packed_gqa_attention, tiled_masks=TiledMasks()))
         elif self.attention != self.base_attention and self.base_attention is not None:
@@ -214,6 +226,7 @@ class Target:
     def close(self) -> None:
         """Remove everything this target installed on its model: routes, attention, hooks."""
         unroute_linears(self.model)
+        unfuse_layers(self.model)
         if self.base_attention is not None and self.attention != self.base_attention:
             self.model.set_attn_implementation(self.base_attention)
         if self._tap is not None:
@@ -221,7 +234,7 @@ class Target:
             self._tap = None
         _unregister(self._registered)
         self._registered = []
-        self.narrow = self.exact = False
+        self.narrow = self.exact = self.fused = False
 
     # ------------------------------------------------------------------ shape and parts
 

@@ -13,7 +13,7 @@ from specdec.decoders import Pipeline
 from specdec.decoders.engine.registry import proposer_registry
 from specdec.decoders.evaluation.audit import decided_rows
 from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
-from specdec.decoders.models import exact_attention
+from specdec.decoders.models import cpu, exact_attention, native
 from specdec.decoders.models.invariance import check_pass_invariance
 from specdec.decoders.models.kernels import linear_route, route_narrow_linears, wants_exact
 from specdec.decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
@@ -117,16 +117,30 @@ def test_exact_mode_switches_off_and_on():
     assert torch.equal(logits(switched), exact_logits)
 
 
-def test_the_check_catches_a_pass_dependent_kernel(monkeypatch):
-    """An attention whose rows move with the pass's width by 1e-9 (float64): the
-    invariance check and the audit's bit_identical see it, token identity does not."""
+@pytest.mark.parametrize("route", ["python", "kernel"])
+def test_the_check_catches_a_pass_dependent_kernel(monkeypatch, cpu_without, route):
+    """An attention whose rows move with the pass's width by 1e-9 (float64), on either route
+    of exact attention: the invariance check and the audit's bit_identical see it, token
+    identity does not."""
+    if route == "python":
+        cpu_without("native_attention")
     model = exact_tiny("float64")
-    invariant = exact_attention._invariant_attention
+    if route == "python":
+        invariant = exact_attention._invariant_attention
 
-    def width_dependent(query, *args):
-        return invariant(query, *args) * (1 + 1e-9 * query.shape[1])
+        def width_dependent(query, *args):
+            return invariant(query, *args) * (1 + 1e-9 * query.shape[1])
 
-    monkeypatch.setattr(exact_attention, "_invariant_attention", width_dependent)
+        monkeypatch.setattr(exact_attention, "_invariant_attention", width_dependent)
+    else:
+        if not cpu.has("native_attention"):
+            pytest.skip(f"native_attention: needs {cpu.NEEDS['native_attention']}")
+        attend = native.attend
+
+        def width_dependent(function, query, *args):
+            return attend(function, query, *args) * (1 + 1e-9 * query.shape[1])
+
+        monkeypatch.setattr(native, "attend", width_dependent)
     assert not check_pass_invariance(model).passed
     standard = Pipeline(model, None)
     pipeline = standard.with_components({"name": "ngram", "adaptive": False}, "greedy")

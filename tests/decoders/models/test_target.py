@@ -22,8 +22,10 @@ def hooks(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-@pytest.mark.parametrize("narrow,exact", [(True, False), (False, True), (True, True)])
-def test_closing_a_target_gives_the_model_back_as_built(narrow, exact):
+@pytest.mark.parametrize(
+    "narrow,exact,fused", [(True, False, False), (False, True, True), (True, True, True)]
+)
+def test_closing_a_target_gives_the_model_back_as_built(narrow, exact, fused):
     model = tiny_random_model(320, 64, 2, seed=3).double()
     before, attention = module_snapshot(model), model.config._attn_implementation
     registered = set(AttentionInterface._global_mapping)
@@ -31,7 +33,7 @@ def test_closing_a_target_gives_the_model_back_as_built(narrow, exact):
     with torch.no_grad():
         reference = model(torch.tensor([tokens])).logits
 
-    target = Target(model, narrow=narrow, exact=exact)
+    target = Target(model, narrow=narrow, exact=exact, fused=fused)
     tap = target.tap([0])
     session = target.session()
     session.forward(tokens)

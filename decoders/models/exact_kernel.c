@@ -1,0 +1,117 @@
+/* Exact mode's attention as one call: every (row, head) computed from its own query and the
+ * keys it sees, in standard decoding's order, by the same code whatever else the pass holds.
+ *
+ * Row r of a pass sees the cached prefix (positions 0 .. prefix-1) and then its visible block
+ * entries (its tree ancestors and itself, in order: visible[r * stride_visible + 0 .. counts[r]-1],
+ * offsets into the block that follows the prefix). Standard decoding, one token per pass, has
+ * those same keys at consecutive positions, so a row computes what its single-token pass does:
+ *
+ *   score_t = dot(query, key_t) * scale           (one dot routine, fixed order of sums)
+ *   weight_t = exp(score_t - max_t score_t)        (exp_nonpositive; libm's in float64)
+ *   out = (sum_t weight_t * value_t) / sum_t weight_t   (sums sequential in t)
+ *
+ * Nothing depends on the number of rows, which rows share a call, or how the work is split
+ * between threads: batch invariance holds by construction. Compiled with -ffp-contract=off so
+ * that no multiply-add is fused in one place and not in another.
+ *
+ * Built and loaded by specdec.decoders.models.native (ctypes); SCALAR is float or double, the
+ * type sums run in; the inputs are float32, float64 or bfloat16 (raw 16-bit words).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float bf16_value(uint16_t bits) {
+    uint32_t word = ((uint32_t)bits) << 16;
+    float value;
+    memcpy(&value, &word, sizeof value);
+    return value;
+}
+
+static inline uint16_t bf16_bits(float value) { /* round to nearest even, as PyTorch does */
+    uint32_t word;
+    memcpy(&word, &value, sizeof word);
+    if (isnan(value)) return 0x7FC0;
+    word += 0x7FFF + ((word >> 16) & 1);
+    return (uint16_t)(word >> 16);
+}
+
+/* exp(x) for x <= 0 in plain arithmetic (no libm call): the loop over a row's keys vectorises,
+ * and a vector lane computes what the scalar epilogue does (no fused multiply-adds, no fast-math),
+ * so an element's bits do not depend on where in the loop it falls. Range reduction by ln 2 in
+ * two parts, a degree-6 polynomial on [-ln2/2, ln2/2] (Taylor; about 2 ulp), 2^k from the
+ * exponent bits. Below -87 it gives 0, as expf's result underflows there. */
+static inline float exp_nonpositive(float x) {
+    float clamped = x < -87.0f ? -87.0f : x;
+    float k = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = clamped - k * 0.693145751953125f;
+    r = r - k * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+#define DEFINE_ATTEND(NAME, T, SCALAR, LOAD, STORE, EXP)                                              \
+    static inline SCALAR NAME##_dot(const T *a, const SCALAR *q, int d) {                            \
+        SCALAR lane[LANES] = {0};                                                                     \
+        int i = 0;                                                                                    \
+        for (; i + LANES <= d; i += LANES)                                                            \
+            for (int j = 0; j < LANES; j++) lane[j] += q[i + j] * LOAD(a[i + j]);                    \
+        for (int j = 0; i < d; i++, j++) lane[j] += q[i] * LOAD(a[i]);                               \
+        for (int width = LANES / 2; width > 0; width /= 2)                                            \
+            for (int j = 0; j < width; j++) lane[j] += lane[j + width];                               \
+        return lane[0];                                                                               \
+    }                                                                                                 \
+    void NAME(const T *query, long q_head, long q_row, const T *key, long k_head, long k_pos,        \
+              const T *value, long v_head, long v_pos, T *out, long o_head, long o_row, int heads,  \
+              int kv_heads, int rows, int d, int prefix, const int32_t *visible, long stride_visible, \
+              const int32_t *counts, double scale, int threads) {                                     \
+        int groups = heads / kv_heads;                                                                \
+        long tasks = (long)heads * rows;                                                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                            \
+        for (long task = 0; task < tasks; task++) {                                                  \
+            int h = (int)(task / rows), r = (int)(task % rows), g = h / groups;                      \
+            int n = prefix + counts[r];                                                               \
+            SCALAR *q = malloc(sizeof(SCALAR) * ((size_t)d * 2 + (size_t)n));                        \
+            SCALAR *acc = q + d, *w = acc + d;                                                        \
+            const T *qs = query + h * q_head + r * q_row;                                             \
+            for (int i = 0; i < d; i++) q[i] = LOAD(qs[i]);                                           \
+            SCALAR peak = -INFINITY;                                                                  \
+            for (int t = 0; t < n; t++) {                                                             \
+                long at = t < prefix ? t : prefix + visible[r * stride_visible + (t - prefix)];       \
+                w[t] = NAME##_dot(key + g * k_head + at * k_pos, q, d) * (SCALAR)scale;              \
+                if (w[t] > peak) peak = w[t];                                                         \
+            }                                                                                         \
+            for (int t = 0; t < n; t++) w[t] = EXP(w[t] - peak);                                      \
+            SCALAR total = 0;                                                                         \
+            for (int t = 0; t < n; t++) total += w[t];                                                \
+            for (int i = 0; i < d; i++) acc[i] = 0;                                                   \
+            for (int t = 0; t < n; t++) {                                                             \
+                long at = t < prefix ? t : prefix + visible[r * stride_visible + (t - prefix)];       \
+                const T *vs = value + g * v_head + at * v_pos;                                        \
+                SCALAR weight = w[t];                                                                 \
+                for (int i = 0; i < d; i++) acc[i] += weight * LOAD(vs[i]);                           \
+            }                                                                                         \
+            T *os = out + h * o_head + r * o_row;                                                     \
+            for (int i = 0; i < d; i++) os[i] = STORE(acc[i] / total);                                \
+            free(q);                                                                                  \
+        }                                                                                             \
+    }
+
+#define AS_IS(x) (x)
+#define AS_FLOAT(x) ((float)(x))
+
+DEFINE_ATTEND(attend_float32, float, float, AS_IS, AS_IS, exp_nonpositive)
+DEFINE_ATTEND(attend_float64, double, double, AS_IS, AS_IS, exp)
+DEFINE_ATTEND(attend_bfloat16, uint16_t, float, bf16_value, bf16_bits, exp_nonpositive)

@@ -1,0 +1,142 @@
+"""Exact mode's attention kernel in C (``exact_kernel.c``), built on first use and loaded with ctypes.
+
+The Python route of exact attention (:func:`specdec.decoders.models.exact_attention._invariant_attention`)
+keeps a row's bits independent of its pass by laying every product out in fixed chunks, at the
+price of about a hundred PyTorch operations a layer: a third of a single-token pass of
+SmolLM2-135M. The C kernel computes each (row, head) on its own, in standard decoding's order,
+in one call a layer (the file's comment gives the arithmetic).
+
+It is compiled once per machine and source with the system's C compiler (``cc``, or ``$CC``;
+``-O3 -march=native -ffp-contract=off -fopenmp``) into the cache (``~/.cache/specdec/native``,
+keyed by the source and the CPU's flags), and found there by later processes. Where no compiler
+builds it, or ``SPECDEC_CPU_ABSENT`` names ``native_attention``, exact attention keeps the
+Python route (:func:`kernel` gives None); both routes are exact, each on its own terms, and a
+process uses one of them for every pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("exact_kernel.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+SYMBOLS = {
+    torch.float32: "attend_float32",
+    torch.float64: "attend_float64",
+    torch.bfloat16: "attend_bfloat16",
+}
+_ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+_ARGS += [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
+
+
+def _machine() -> str:
+    """What the compiled code depends on: the CPU's flags (``-march=native``) and the source."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256((flags + SOURCE.read_text() + " ".join(FLAGS)).encode()).hexdigest()[:16]
+
+
+def build(directory: Path) -> Path:
+    """Compile the kernel into ``directory`` (atomically) unless it is there; its path.
+    Raises ``RuntimeError`` naming the compiler's complaint where it fails."""
+    target = directory / f"exact_kernel_{_machine()}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip().splitlines()[-1:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    from specdec.decoders.models.loading import cache_dir
+
+    try:
+        library = ctypes.CDLL(str(build(cache_dir() / "native")))
+    except (RuntimeError, OSError):
+        return None
+    for symbol in SYMBOLS.values():
+        getattr(library, symbol).argtypes = _ARGS
+        getattr(library, symbol).restype = None
+    return library
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded here (probed once, by building it)."""
+    return _library() is not None
+
+
+def kernel(dtype: torch.dtype):
+    """The kernel for ``dtype`` (float32, float64, bfloat16), or None where it does not run:
+    no compiler, another dtype, or the capability forced absent."""
+    from specdec.decoders.models import cpu
+
+    if dtype not in SYMBOLS or not cpu.has("native_attention"):
+        return None
+    return getattr(_library(), SYMBOLS[dtype])
+
+
+def attend(
+    function,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix: int,
+    visible: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query (heads, rows, d), key/value (kv_heads, keys, d), each with unit stride in d;
+    visible (rows, width) int32 and counts (rows,) int32 (:func:`visible_rows`) -> (rows, heads, d)
+    in the query's dtype."""
+    heads, rows, dim = query.shape
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    out = torch.empty(rows, heads, dim, dtype=query.dtype)
+    function(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        key.data_ptr(), key.stride(0), key.stride(1),
+        value.data_ptr(), value.stride(0), value.stride(1),
+        out.data_ptr(), out.stride(1), out.stride(0),
+        heads, key.shape[0], rows, dim, prefix,
+        visible.data_ptr(), visible.stride(0), counts.data_ptr(), scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def visible_rows(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """block (rows, rows) bool, which block entries each row sees -> each row's visible
+    offsets in order, (rows, rows) int32 (padded with zeros), and their counts (rows,) int32."""
+    counts = block.sum(1, dtype=torch.int32)
+    order = torch.sort((~block).to(torch.int8), dim=1, stable=True).indices  # the seen ones first, in order
+    return order.to(torch.int32).contiguous(), counts.contiguous()
