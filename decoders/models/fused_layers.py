@@ -118,11 +118,13 @@ def _stack(parts: tuple[torch.nn.Linear, ...], stamp: tuple) -> Stacked:
 
 def _product(stacked: Stacked, like: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """The stacked product on the route ``like`` (one of its parts) takes, split into parts."""
+    return list(_stacked_product(stacked, like, x).split(stacked.sizes, dim=-1))
+
+
+def _stacked_product(stacked: Stacked, like: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(like, RoutedLinear):
-        y = routed_product(stacked.linear, x, like.route)
-    else:
-        y = F.linear(x, stacked.linear.weight, stacked.linear.bias)
-    return list(y.split(stacked.sizes, dim=-1))
+        return routed_product(stacked.linear, x, like.route)
+    return F.linear(x, stacked.linear.weight, stacked.linear.bias)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -175,16 +177,22 @@ class FusedLayer(torch.nn.Module):
         heads = (*shape, -1, attention.head_dim)
         residual = hidden_states
         normed = _rms_norm(self.input_layernorm, hidden_states)
-        if stacks:
-            query, key, value = _product(stacks[0], attention.q_proj, normed)
-        else:
-            query, key, value = attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed)
-        query = query.view(heads).transpose(1, 2)
-        key = key.view(heads).transpose(1, 2)
-        value = value.view(heads).transpose(1, 2)
         cos, sin = position_embeddings
-        rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-        query, key = rotary(query, key, cos, sin)
+        code = sys.modules[type(attention).__module__]
+        if stacks:  # the query and key heads side by side: one rotary embedding over both
+            split = stacks[0].sizes[0] + stacks[0].sizes[1]
+            both = _stacked_product(stacks[0], attention.q_proj, normed)
+            value = both[..., split:].view(heads).transpose(1, 2)
+            both = both[..., :split].view(heads).transpose(1, 2)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            both = (both * cos) + (code.rotate_half(both) * sin)  # apply_rotary_pos_emb's arithmetic
+            query_heads = stacks[0].sizes[0] // attention.head_dim
+            query, key = both[:, :query_heads], both[:, query_heads:]
+        else:
+            query = attention.q_proj(normed).view(heads).transpose(1, 2)
+            key = attention.k_proj(normed).view(heads).transpose(1, 2)
+            value = attention.v_proj(normed).view(heads).transpose(1, 2)
+            query, key = code.apply_rotary_pos_emb(query, key, cos, sin)
         # the arguments the layer's attention hands on to the cache and the attention function
         passed = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
         if cache is not None:

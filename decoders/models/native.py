@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.decoders.models import cpu
+
 SOURCE = Path(__file__).with_name("exact_kernel.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 SYMBOLS = {
@@ -95,8 +97,6 @@ def available() -> bool:
 def kernel(dtype: torch.dtype):
     """The kernel for ``dtype`` (float32, float64, bfloat16), or None where it does not run:
     no compiler, another dtype, or the capability forced absent."""
-    from specdec.decoders.models import cpu
-
     if dtype not in SYMBOLS or not cpu.has("native_attention"):
         return None
     return getattr(_library(), SYMBOLS[dtype])
