@@ -22,7 +22,14 @@ from specdec.decoders.evaluation.metrics import (
 from specdec.decoders.evaluation.plots import bench_plots
 from specdec.decoders.evaluation.tracking import log_benchmark
 from specdec.decoders.models.cost import CostCurve
-from specdec.decoders.models.machine import machine_info, machine_line
+from specdec.decoders.models.machine import (
+    machine_info,
+    machine_line,
+    memory_limit,
+    memory_limit_line,
+    read_bandwidth,
+    weight_bytes,
+)
 
 
 def results_payload(
@@ -94,10 +101,21 @@ def results_payload(
         "cost_curve": curves["standard"],
         "cost_curve_exact_off": curves.get(f"standard{EXACT_OFF}"),
         "pass_times": timed.describe() if (timed := base.target.pass_times()) else None,
+        "memory_limit": bench_memory_limit(base.target, timed),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "aa": aa,  # the A/A twin overall: within ±AA_TOLERANCE, the run supports its figures
         "pipelines": pipelines,
     }
+
+
+def bench_memory_limit(target, timed) -> dict | None:
+    """On a CPU: the target's weights, the read bandwidth measured now, and standard decoding's
+    single-token pass (the live median, every pipeline's width-1 passes pooled) against the floor
+    they set; None on other devices."""
+    if target.device.type != "cpu":
+        return None
+    single = timed.measured().get(1) if timed is not None else None
+    return memory_limit(weight_bytes(target.model), read_bandwidth(), single)
 
 
 def format_table(payload: dict) -> str:
@@ -115,6 +133,8 @@ def format_table(payload: dict) -> str:
     lines = [title]
     if "machine" in payload:
         lines.append(machine_line(payload["machine"]))
+    if payload.get("memory_limit"):
+        lines.append(memory_limit_line(payload["memory_limit"]))
     lines += [header, "-" * len(header)]
 
     def fmt(value, spec):

@@ -67,3 +67,57 @@ def machine_line(info: dict) -> str:
         f"{info['cpu']} ({extensions}), {info['threads']} threads{accelerator}; "
         f"torch {info['torch']}, transformers {info['transformers']}"
     )
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
+    """This machine's memory read bandwidth now, GB/s: the fastest of ``repeats`` sums over a
+    float32 buffer of ``megabytes`` (far larger than any cache), on the threads PyTorch uses.
+    A decode pass that reads every weight once cannot run faster than their bytes over this."""
+    import time
+
+    buffer = torch.ones(megabytes * (1 << 20) // 4)
+    buffer.sum()  # pages touched, threads up
+    fastest = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        fastest = min(fastest, time.perf_counter() - start)
+    return buffer.numel() * 4 / fastest / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers, a storage shared by several (tied
+    embeddings) counted once: what a pass over it reads at least once."""
+    seen: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "meta":
+            continue
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def memory_limit(weights: int, bandwidth_gb_s: float, single_pass_s: float | None) -> dict:
+    """The floor a single-token pass cannot beat (its weights' bytes read once at
+    ``bandwidth_gb_s``) and how far the measured pass (``single_pass_s``) sits above it."""
+    limit = weights / (bandwidth_gb_s * 1e9)
+    return {
+        "weight_bytes": weights,
+        "read_gb_s": bandwidth_gb_s,
+        "limit_ms": 1000 * limit,
+        "single_pass_ms": None if single_pass_s is None else 1000 * single_pass_s,
+        "ratio": None if single_pass_s is None else single_pass_s / limit,
+    }
+
+
+def memory_limit_line(limit: dict) -> str:
+    """``memory_limit``'s record in one line, for the bench's header."""
+    line = (
+        f"weights {limit['weight_bytes'] / 1e6:.0f} MB, read at {limit['read_gb_s']:.1f} GB/s: "
+        f"a single-token pass takes at least {limit['limit_ms']:.1f} ms"
+    )
+    if limit.get("ratio") is not None:
+        line += (
+            f"; standard decoding's took {limit['single_pass_ms']:.1f} ms, {limit['ratio']:.1f}x that limit"
+        )
+    return line

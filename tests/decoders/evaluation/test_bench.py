@@ -46,6 +46,7 @@ def test_bench_cli_greedy_two_turns_with_repeats_and_peers(drafting_pays, tmp_pa
         return turn_ids(pipeline, prompt, turn, first_answer)
 
     monkeypatch.setattr(scheduling, "turn_ids", spy)
+    monkeypatch.setattr(bench_results, "read_bandwidth", lambda: 10.0)  # GB/s, injected
     run_dir = tmp_path / "run"
     overrides = ["proposer=ngram", "workload.turns=2", "bench.repeats=2", "bench.peers=true"]
     run_bench(monkeypatch, tiny_overrides(workload, f"hydra.run.dir={run_dir}", *overrides))
@@ -57,6 +58,11 @@ def test_bench_cli_greedy_two_turns_with_repeats_and_peers(drafting_pays, tmp_pa
     machine = results["machine"]  # where the figures hold
     assert machine["cpu"] and machine["threads"] >= 1 and isinstance(machine["vector_extensions"], list)
     assert machine["torch"] and machine["transformers"]
+    limit = results["memory_limit"]  # the floor the weights' bytes set, and the pass against it
+    assert limit["read_gb_s"] == 10.0 and limit["weight_bytes"] > 0
+    assert limit["limit_ms"] == pytest.approx(limit["weight_bytes"] / 10e9 * 1000)
+    assert limit["single_pass_ms"] is limit["ratio"] is None  # a fixed cost curve here: no live pass times
+    assert "read at 10.0 GB/s" in bench_results.format_table(results).splitlines()[2]
     assert (results["temperature"], results["max_new_tokens"], results["prompts"]) == (0.0, 8, 3)
     pipelines = {p["name"]: p for p in results["pipelines"]}
     assert set(pipelines) == {"standard", "ngram+greedy", "hf_generate", "hf_prompt_lookup", "standard (A/A)"}
