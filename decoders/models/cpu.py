@@ -21,6 +21,10 @@ Capabilities (names as the probe reports them and as skipped tests name them):
 ``native_attention``
     exact mode's attention kernel in C builds here (:mod:`specdec.decoders.models.native`:
     a C compiler with OpenMP); without it exact attention takes its Python route.
+``native_bf16_linear``
+    the bfloat16 linear in C (AVX-512 BF16 dot products, each output on its own) builds here:
+    bfloat16 passes of up to ``NATIVE_ROWS`` rows take it (every exact pass), oneDNN's packed
+    linear otherwise.
 
 ``SPECDEC_CPU_ABSENT`` (comma-separated names, or ``all``) makes this process treat
 capabilities as absent, whatever the CPU has: an AVX-512 machine then takes the routes
@@ -64,11 +68,18 @@ def _probe_native_attention() -> bool:
     return native.available()
 
 
+def _probe_native_linear() -> bool:
+    from specdec.decoders.models import native
+
+    return native.linear_built()
+
+
 PROBES = {
     "native_bf16": _probe_native_bf16,
     "onednn_bf16_linear": lambda: _probe_onednn_linear(torch.bfloat16),
     "onednn_f32_linear": lambda: _probe_onednn_linear(torch.float32),
     "native_attention": lambda: _probe_native_attention(),
+    "native_bf16_linear": lambda: _probe_native_linear(),
 }
 
 # what each capability needs, for messages and skipped tests
@@ -77,6 +88,7 @@ NEEDS = {
     "onednn_bf16_linear": "avx512bw, avx512vl and avx512dq, or avx_ne_convert",
     "onednn_f32_linear": "an x86 build of PyTorch with oneDNN",
     "native_attention": "a C compiler with OpenMP (cc or $CC) to build exact mode's attention kernel",
+    "native_bf16_linear": "AVX-512 BF16 and a C compiler with OpenMP (cc or $CC)",
 }
 
 

@@ -115,3 +115,65 @@ static inline float exp_nonpositive(float x) {
 DEFINE_ATTEND(attend_float32, float, float, AS_IS, AS_IS, exp_nonpositive)
 DEFINE_ATTEND(attend_float64, double, double, AS_IS, AS_IS, exp)
 DEFINE_ATTEND(attend_bfloat16, uint16_t, float, bf16_value, bf16_bits, exp_nonpositive)
+
+/* A linear layer's product for bfloat16 over a few rows, each output on its own:
+ * out[m][n] = sum over k of x[m][k] * w[n][k], by AVX-512 BF16 dot products (vdpbf16ps: pairs of
+ * bfloat16 products added into float lanes) in two accumulators of 16 lanes (k in steps of 32,
+ * accumulator (k / 32) mod 2), then a fixed reduction. An output's bits depend on its input row
+ * and its weight row alone, not on how many rows or outputs share the call: batch-invariant by
+ * construction. Rows go four at a time (each weight row read once for them), then one at a time,
+ * by the same arithmetic. ins: a multiple of 64 (the caller keeps other shapes off it). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+int linear_available(void) { return 1; }
+
+#define BF16_LOAD(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
+#define FINISH(A0, A1, ROW_INDEX)                                                                      \
+    {                                                                                                 \
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(A0, A1));                                      \
+        y[(long)(ROW_INDEX) * y_row + n] = bf16_bits(bias ? sum + b : sum);                           \
+    }
+#define ROW(A0, A1, XR)                                                                                \
+    A0 = _mm512_dpbf16_ps(A0, w0, BF16_LOAD(XR + k));                                                 \
+    A1 = _mm512_dpbf16_ps(A1, w1, BF16_LOAD(XR + k + 32));
+
+void linear_bfloat16(const uint16_t *x, long x_row, const uint16_t *w, long w_row, const uint16_t *bias,
+                     uint16_t *y, long y_row, int rows, int outs, int ins, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < outs; n++) {
+        const uint16_t *wn = w + (long)n * w_row;
+        float b = bias ? bf16_value(bias[n]) : 0.0f;
+        int m = 0;
+        for (; m + 4 <= rows; m += 4) {
+            const uint16_t *x0 = x + (long)m * x_row, *x1 = x0 + x_row, *x2 = x1 + x_row, *x3 = x2 + x_row;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
+            __m512 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+            for (int k = 0; k < ins; k += 64) {
+                __m512bh w0 = BF16_LOAD(wn + k), w1 = BF16_LOAD(wn + k + 32);
+                ROW(a00, a01, x0)
+                ROW(a10, a11, x1)
+                ROW(a20, a21, x2)
+                ROW(a30, a31, x3)
+            }
+            FINISH(a00, a01, m)
+            FINISH(a10, a11, m + 1)
+            FINISH(a20, a21, m + 2)
+            FINISH(a30, a31, m + 3)
+        }
+        for (; m < rows; m++) {
+            const uint16_t *x0 = x + (long)m * x_row;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00;
+            for (int k = 0; k < ins; k += 64) {
+                __m512bh w0 = BF16_LOAD(wn + k), w1 = BF16_LOAD(wn + k + 32);
+                ROW(a00, a01, x0)
+            }
+            FINISH(a00, a01, m)
+        }
+    }
+}
+#else
+int linear_available(void) { return 0; }
+void linear_bfloat16(const uint16_t *x, long x_row, const uint16_t *w, long w_row, const uint16_t *bias,
+                     uint16_t *y, long y_row, int rows, int outs, int ins, int threads) {}
+#endif

@@ -45,12 +45,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specdec.decoders.models import native
 from specdec.decoders.models.cpu import onednn_linear
 
 DEFAULT_MAX_ROWS = 48
 # narrowest pass that takes oneDNN's packed linear instead of the transposed product
 # (measured on SmolLM2-135M float32, AMD EPYC with AVX2: equal at 5 rows, faster from 6)
 PACKED_FROM = 5
+# bfloat16 passes of up to this many rows take the C linear where it runs (exact mode's passes
+# all do: a row's bits must not depend on the pass): it read the weights faster than oneDNN up
+# to 8 rows on the AVX-512 BF16 EPYC (docs/performance.md, "Where a pass goes")
+NATIVE_ROWS = 8
 NEVER = 1 << 30
 EXACT_BLOCK = 8  # exact narrow route: columns per product (see exact_blocks)
 # dtypes whose narrow route is oneDNN's packed linear at every width (see the module's docstring)
@@ -100,7 +105,12 @@ def route_linears(model: torch.nn.Module, route: LinearRoute) -> int:
             dtype = module.weight.dtype
             packed = route.transposed and dtype in PACKED_DTYPES and packed_route_available(dtype)
             # exact mode on F.linear: the default route, and bfloat16 without oneDNN's packed linear
-            if route.exact and (packed or not route.transposed or dtype in PACKED_DTYPES):
+            native_route = native.linear_kernel(module.weight) is not None  # (batch-invariant as it is)
+            if (
+                route.exact
+                and not native_route
+                and (packed or not route.transposed or dtype in PACKED_DTYPES)
+            ):
                 rows = exact_product_rows(module.weight.detach(), route.max_rows, packed, route.widths)
                 route.product_rows[module] = rows
             count += 1
@@ -133,6 +143,9 @@ def routed_product(module: torch.nn.Linear, x: torch.Tensor, route: LinearRoute)
             return packed(flat, module.bias).reshape(*x.shape[:-1], module.weight.shape[0])
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
+    if (exact or rows <= NATIVE_ROWS) and (function := _native_linear(module, x)) is not None:
+        # bfloat16 in C, each output on its own: batch-invariant as it stands (no padding)
+        return native.linear(function, flat, module.weight, module.bias).reshape(*x.shape[:-1], -1)
     if route.transposed and module.weight.dtype in PACKED_DTYPES:  # bfloat16: oneDNN's packed linear
         packed = _packed_weight(module, route, x)
         if packed is None and not exact:  # a product autograd must see, or no oneDNN
@@ -156,6 +169,17 @@ def routed_product(module: torch.nn.Linear, x: torch.Tensor, route: LinearRoute)
     if module.bias is not None:
         y = y + module.bias
     return y.reshape(*x.shape[:-1], module.weight.shape[0])
+
+
+def _native_linear(module: torch.nn.Linear, x: torch.Tensor):
+    """The C bfloat16 linear for ``module``'s weight (:func:`specdec.decoders.models.native.linear_kernel`),
+    or None: where it does not run, and for a product autograd must see."""
+    weight = module.weight
+    if weight.dtype != torch.bfloat16 or (
+        torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
+    ):
+        return None
+    return native.linear_kernel(weight)
 
 
 def _exact_default_route(

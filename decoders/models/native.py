@@ -37,6 +37,16 @@ SYMBOLS = {
     torch.float64: "attend_float64",
     torch.bfloat16: "attend_bfloat16",
 }
+_LINEAR_ARGS = [
+    ctypes.c_void_p,
+    ctypes.c_long,
+    ctypes.c_void_p,
+    ctypes.c_long,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+]
+_LINEAR_ARGS += [ctypes.c_long] + [ctypes.c_int] * 4
+LINEAR_STEP = 64  # the bfloat16 linear's inputs: a multiple of this many
 _ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
 _ARGS += [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
 
@@ -86,12 +96,50 @@ def _library() -> ctypes.CDLL | None:
     for symbol in SYMBOLS.values():
         getattr(library, symbol).argtypes = _ARGS
         getattr(library, symbol).restype = None
+    library.linear_bfloat16.argtypes = _LINEAR_ARGS
+    library.linear_bfloat16.restype = None
+    library.linear_available.restype = ctypes.c_int
     return library
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded here (probed once, by building it)."""
     return _library() is not None
+
+
+def linear_built() -> bool:
+    """Whether the bfloat16 linear is built here: the kernel builds and the compiler targets
+    AVX-512 BF16 (``-march=native`` on such a CPU)."""
+    library = _library()
+    return library is not None and bool(library.linear_available())
+
+
+def linear_kernel(weight: torch.Tensor):
+    """The bfloat16 linear for ``weight`` (out, in), or None where it does not run: another
+    dtype or device, inputs not a multiple of ``LINEAR_STEP``, or the capability absent."""
+    usable = (
+        weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % LINEAR_STEP == 0
+    )
+    if not usable or not cpu.has("native_bf16_linear"):
+        return None
+    return _library().linear_bfloat16
+
+
+def linear(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (rows, in) @ weight.T (+ bias) -> (rows, out) in bfloat16, every output on its own
+    (the C file's ``linear_bfloat16``): its bits depend on its input row and weight row
+    alone, whatever else the call holds."""
+    x = x.contiguous()
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    rows, outs = x.shape[0], weight.shape[0]
+    y = torch.empty(rows, outs, dtype=torch.bfloat16)
+    function(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+        rows, outs, weight.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return y
 
 
 def kernel(dtype: torch.dtype):

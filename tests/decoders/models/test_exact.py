@@ -304,9 +304,12 @@ def test_bench_times_exact_off_twins(tmp_path, monkeypatch):
 @pytest.mark.parametrize("spelled", ["float32", "bfloat16", "bfloat16-avx2"])
 def test_passes_wider_than_the_measured_product_run_in_blocks(spelled, cpu_without):
     """Where the CPU's kernels change past some width (measured by exact_product_rows), wider
-    passes are computed in blocks of that width: every row still equals the row alone."""
+    passes are computed in blocks of that width: every row still equals the row alone. (The C
+    bfloat16 linear, one row at a time by construction, is left out here.)"""
     if split_dtype(spelled)[1]:
         cpu_without()
+    else:
+        cpu_without("native_bf16_linear")
     dtype = getattr(torch, split_dtype(spelled)[0])
     torch.manual_seed(0)
     layer = torch.nn.Linear(1536, 96, bias=True).to(dtype)

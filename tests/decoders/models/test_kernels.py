@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from specdec.decoders.models import native
 from specdec.decoders.models.kernels import (
+    NATIVE_ROWS,
     PACKED_FROM,
     linear_route,
     packed_route_available,
@@ -75,10 +77,11 @@ def test_packed_route_takes_weights_made_in_inference_mode():
 
 
 @requires_cpu("onednn_bf16_linear")
-def test_bfloat16_narrow_route_is_the_packed_linear_at_every_width():
-    """bfloat16's narrow route takes oneDNN's packed linear from one row on (on the AVX-512
-    BF16 EPYC measured, a whole SmolLM2-135M pass cost a quarter less than on F.linear), and
-    under autograd falls back to a product autograd can differentiate."""
+def test_bfloat16_narrow_route_is_the_packed_linear_at_every_width(cpu_without):
+    """Without the C linear, bfloat16's narrow route takes oneDNN's packed linear from one row
+    on (on the AVX-512 BF16 EPYC measured, a whole SmolLM2-135M pass cost a quarter less than on
+    F.linear), and under autograd falls back to a product autograd can differentiate."""
+    cpu_without("native_bf16_linear")
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 40).to(torch.bfloat16)
     route_narrow_linears(layer)
@@ -93,6 +96,46 @@ def test_bfloat16_narrow_route_is_the_packed_linear_at_every_width():
         torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
     layer(x).float().sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+@requires_cpu("native_bf16_linear")
+@pytest.mark.parametrize("exact", [False, True])
+def test_bfloat16_passes_of_a_few_rows_take_the_c_linear(exact, monkeypatch):
+    """Up to NATIVE_ROWS rows (every exact pass), bfloat16 takes the C linear: the linear's
+    product, each row's bits its own whatever the pass holds, no packed copy made, a weight
+    changed in place read as it is now; inputs not a multiple of 64 and products autograd sees
+    keep the other routes."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(128, 40).to(torch.bfloat16)
+    route_narrow_linears(layer, exact=exact)
+    calls = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda *args: calls.append(args[1].shape[0]) or real(*args))
+    with torch.no_grad():
+        x = torch.randn(12, 128, dtype=torch.bfloat16)
+        rows = 12 if exact else NATIVE_ROWS
+        together = layer(x[:rows])
+        expected = torch.nn.functional.linear(x[:rows].float(), layer.weight.float(), layer.bias.float())
+        torch.testing.assert_close(together.float(), expected, rtol=2e-2, atol=2e-2)
+        for row in range(rows):
+            assert torch.equal(layer(x[row : row + 1])[0], together[row])
+        assert calls == [rows] + [1] * rows and layer not in linear_route(layer).packed
+        layer.weight.mul_(2)
+        torch.testing.assert_close(
+            layer(x[:1]).float(), 2 * expected[:1] - layer.bias.float(), rtol=3e-2, atol=3e-2
+        )
+        if not exact:
+            layer(x)  # wider than NATIVE_ROWS: oneDNN
+            assert calls[-1] == 1 and layer in linear_route(layer).packed
+        odd = torch.nn.Linear(72, 8).to(torch.bfloat16)
+        route_narrow_linears(odd, exact=exact)
+        before = len(calls)
+        odd(torch.randn(2, 72, dtype=torch.bfloat16))
+        assert len(calls) == before
+    before = len(calls)
+    layer.weight.requires_grad_(True)
+    layer(x[:2]).float().sum().backward()
+    assert len(calls) == before and layer.weight.grad is not None
 
 
 @requires_cpu("onednn_f32_linear")
