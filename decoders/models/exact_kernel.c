@@ -62,7 +62,64 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
-#define DEFINE_ATTEND(NAME, T, SCALAR, LOAD, STORE, EXP)                                              \
+/* Scores of one query against 16 keys at once (AVX-512, head dimensions a multiple of 16): each
+ * key's products summed in 16 lanes over the head dimension in order, then the 16 keys' lane
+ * vectors reduced together by a fixed network of adds (transpose and add). A key's sum takes the
+ * same additions wherever it falls: blocks start at multiples of 16 of the row's key sequence,
+ * which is standard decoding's, and keys past the end are zeros that no real key's sum touches. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_SCORE_BLOCKS 1
+
+static int block_lane[16]; /* the network's output lane of each of the 16 keys */
+
+static __m512 reduce16(__m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; k++)
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int k = 0; k < 2; k++)
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+__attribute__((constructor)) static void find_block_lanes(void) {
+    __m512 v[16];
+    float out[16];
+    for (int j = 0; j < 16; j++) v[j] = _mm512_set1_ps((float)(j + 1));
+    _mm512_storeu_ps(out, reduce16(v));
+    for (int lane = 0; lane < 16; lane++) block_lane[(int)(out[lane] / 16.0f) - 1] = lane;
+}
+
+static inline __m512 key_chunk_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 key_chunk_bf16(const uint16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#define DEFINE_SCORE_BLOCK(NAME, T, CHUNK)                                                             \
+    /* scores[0..count) of q against keys[0..count) (count <= 16), unscaled */                        \
+    static void NAME(const float *q, const T *const *keys, int count, int d, float *scores) {         \
+        __m512 lanes[16];                                                                             \
+        for (int j = 0; j < 16; j++) {                                                                \
+            __m512 acc = _mm512_setzero_ps();                                                         \
+            if (j < count)                                                                            \
+                for (int i = 0; i < d; i += 16)                                                       \
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), CHUNK(keys[j] + i))); \
+            lanes[j] = acc;                                                                           \
+        }                                                                                             \
+        float out[16];                                                                                \
+        _mm512_storeu_ps(out, reduce16(lanes));                                                       \
+        for (int j = 0; j < count; j++) scores[j] = out[block_lane[j]];                               \
+    }
+DEFINE_SCORE_BLOCK(score_block_float32, float, key_chunk_f32)
+DEFINE_SCORE_BLOCK(score_block_bfloat16, uint16_t, key_chunk_bf16)
+#endif
+
+#define DEFINE_ATTEND(NAME, T, SCALAR, LOAD, STORE, EXP, SCORES)                                              \
     static inline SCALAR NAME##_dot(const T *a, const SCALAR *q, int d) {                            \
         SCALAR lane[LANES] = {0};                                                                     \
         int i = 0;                                                                                    \
@@ -88,10 +145,27 @@ static inline float exp_nonpositive(float x) {
             const T *qs = query + h * q_head + r * q_row;                                             \
             for (int i = 0; i < d; i++) q[i] = LOAD(qs[i]);                                           \
             SCALAR peak = -INFINITY;                                                                  \
-            for (int t = 0; t < n; t++) {                                                             \
-                long at = t < prefix ? t : prefix + visible[r * stride_visible + (t - prefix)];       \
-                w[t] = NAME##_dot(key + g * k_head + at * k_pos, q, d) * (SCALAR)scale;              \
-                if (w[t] > peak) peak = w[t];                                                         \
+            if (SCORES != NULL && d % 16 == 0) {                                                      \
+                for (int t0 = 0; t0 < n; t0 += 16) {                                                  \
+                    const T *block[16];                                                               \
+                    int count = n - t0 < 16 ? n - t0 : 16;                                            \
+                    for (int j = 0; j < count; j++) {                                                 \
+                        int t = t0 + j;                                                               \
+                        long at = t < prefix ? t : prefix + visible[r * stride_visible + (t - prefix)]; \
+                        block[j] = key + g * k_head + at * k_pos;                                     \
+                    }                                                                                 \
+                    SCORES((const float *)q, block, count, d, (float *)(w + t0));                     \
+                }                                                                                     \
+                for (int t = 0; t < n; t++) {                                                         \
+                    w[t] = w[t] * (SCALAR)scale;                                                      \
+                    if (w[t] > peak) peak = w[t];                                                     \
+                }                                                                                     \
+            } else {                                                                                  \
+                for (int t = 0; t < n; t++) {                                                         \
+                    long at = t < prefix ? t : prefix + visible[r * stride_visible + (t - prefix)];   \
+                    w[t] = NAME##_dot(key + g * k_head + at * k_pos, q, d) * (SCALAR)scale;          \
+                    if (w[t] > peak) peak = w[t];                                                     \
+                }                                                                                     \
             }                                                                                         \
             for (int t = 0; t < n; t++) w[t] = EXP(w[t] - peak);                                      \
             SCALAR total = 0;                                                                         \
@@ -112,9 +186,17 @@ static inline float exp_nonpositive(float x) {
 #define AS_IS(x) (x)
 #define AS_FLOAT(x) ((float)(x))
 
-DEFINE_ATTEND(attend_float32, float, float, AS_IS, AS_IS, exp_nonpositive)
-DEFINE_ATTEND(attend_float64, double, double, AS_IS, AS_IS, exp)
-DEFINE_ATTEND(attend_bfloat16, uint16_t, float, bf16_value, bf16_bits, exp_nonpositive)
+#ifdef HAVE_SCORE_BLOCKS
+#define BLOCKS_F32 score_block_float32
+#define BLOCKS_BF16 score_block_bfloat16
+#else
+#define BLOCKS_F32 NULL
+#define BLOCKS_BF16 NULL
+#endif
+typedef void (*no_blocks_t)(const float *, const double *const *, int, int, float *);
+DEFINE_ATTEND(attend_float32, float, float, AS_IS, AS_IS, exp_nonpositive, BLOCKS_F32)
+DEFINE_ATTEND(attend_float64, double, double, AS_IS, AS_IS, exp, ((no_blocks_t)NULL))
+DEFINE_ATTEND(attend_bfloat16, uint16_t, float, bf16_value, bf16_bits, exp_nonpositive, BLOCKS_BF16)
 
 /* A linear layer's product for bfloat16 over a few rows, each output on its own:
  * out[m][n] = sum over k of x[m][k] * w[n][k], by AVX-512 BF16 dot products (vdpbf16ps: pairs of

@@ -49,10 +49,11 @@ def inputs(prefix, rows, dtype, heads=6, kv_heads=2, dim=24, seed=0):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [32, 24])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefix", [0, 1, 17, 64, 131])
-def test_the_kernel_computes_attention(dtype, prefix):
-    q, k, v = inputs(prefix, len(PARENTS), dtype)
+def test_the_kernel_computes_attention(dtype, prefix, dim):
+    q, k, v = inputs(prefix, len(PARENTS), dtype, dim=dim)
     block = tree_block(PARENTS)
     got = native.attend(native.kernel(dtype), q, k, v, prefix, *native.visible_rows(block), 0.3)
     tolerance = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2}[dtype]
@@ -62,14 +63,16 @@ def test_the_kernel_computes_attention(dtype, prefix):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [32, 24])  # (16-key score blocks where the head dimension allows)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_has_the_bits_of_its_own_single_token_pass(dtype):
+def test_a_row_has_the_bits_of_its_own_single_token_pass(dtype, dim):
     """Every node of a tree, after prefixes that put its keys at every offset of a vector's
-    lanes, against the pass standard decoding makes for it: one row, its ancestors cached."""
+    lanes and of a 16-key block, against the pass standard decoding makes for it: one row,
+    its ancestors cached."""
     kernel = native.kernel(dtype)
     block = tree_block(PARENTS)
     for prefix in range(0, 40, 3):
-        q, k, v = inputs(prefix, len(PARENTS), dtype, seed=prefix)
+        q, k, v = inputs(prefix, len(PARENTS), dtype, dim=dim, seed=prefix)
         together = native.attend(kernel, q, k, v, prefix, *native.visible_rows(block), 0.25)
         for row in range(len(PARENTS)):
             seen = [prefix + c for c in block[row].nonzero().flatten().tolist()]
