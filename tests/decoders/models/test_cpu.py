@@ -14,10 +14,10 @@ from specdec.decoders.models.kernels import (
     PackedProduct,
     linear_route,
     route_narrow_linears,
-    wants_narrow_routing,
 )
 from specdec.decoders.models.loading import ModelConfig, load_model, resolve_dtype
 from specdec.decoders.models.session import ModelSession
+from specdec.decoders.models.settings import wants_narrow_routing
 from tests.conftest import REPO_ROOT, requires_cpu
 
 

@@ -15,9 +15,10 @@ from specdec.decoders.evaluation.audit import decided_rows
 from specdec.decoders.evaluation.workloads import WorkloadConfig, load_workload
 from specdec.decoders.models import cpu, exact_attention, native
 from specdec.decoders.models.invariance import check_pass_invariance
-from specdec.decoders.models.kernels import linear_route, route_narrow_linears, wants_exact
+from specdec.decoders.models.kernels import linear_route, route_narrow_linears
 from specdec.decoders.models.loading import ModelConfig, cache_dir, load_model, tiny_random_model
 from specdec.decoders.models.session import ModelSession
+from specdec.decoders.models.settings import wants_exact
 from specdec.decoders.models.target import Target
 from tests.conftest import cpu_for, lossless_verifiers, pipeline_or_skip, random_prompts, split_dtype
 

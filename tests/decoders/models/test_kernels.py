@@ -10,10 +10,10 @@ from specdec.decoders.models.kernels import (
     linear_route,
     packed_route_available,
     route_narrow_linears,
-    wants_narrow_routing,
 )
 from specdec.decoders.models.loading import ModelConfig, load_model
 from specdec.decoders.models.session import ModelSession
+from specdec.decoders.models.settings import wants_narrow_routing
 from tests.conftest import requires_cpu
 
 
