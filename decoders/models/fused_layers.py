@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdec.decoders.models.kernels import RoutedLinear, routed_product
 
@@ -152,8 +153,6 @@ class FusedLayer(torch.nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         attention, mlp = self.self_attn, self.mlp
