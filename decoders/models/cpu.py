@@ -25,6 +25,9 @@ Capabilities (names as the probe reports them and as skipped tests name them):
     the bfloat16 linear in C (AVX-512 BF16 dot products, each output on its own) builds here:
     bfloat16 passes of up to ``NATIVE_ROWS`` rows take it (every exact pass), oneDNN's packed
     linear otherwise.
+``native_int8_linear``
+    the weight-only int8 linear in C (``model.quantize=int8``) builds here (a C compiler with
+    OpenMP); without it int8 layers multiply by their weights dequantized.
 
 ``SPECDEC_CPU_ABSENT`` (comma-separated names, or ``all``) makes this process treat
 capabilities as absent, whatever the CPU has: an AVX-512 machine then takes the routes
@@ -80,6 +83,7 @@ PROBES = {
     "onednn_f32_linear": lambda: _probe_onednn_linear(torch.float32),
     "native_attention": lambda: _probe_native_attention(),
     "native_bf16_linear": lambda: _probe_native_linear(),
+    "native_int8_linear": lambda: _probe_native_attention(),  # the same library: built or not
 }
 
 # what each capability needs, for messages and skipped tests
@@ -89,6 +93,7 @@ NEEDS = {
     "onednn_f32_linear": "an x86 build of PyTorch with oneDNN",
     "native_attention": "a C compiler with OpenMP (cc or $CC) to build exact mode's attention kernel",
     "native_bf16_linear": "AVX-512 BF16 and a C compiler with OpenMP (cc or $CC)",
+    "native_int8_linear": "a C compiler with OpenMP (cc or $CC) to build the int8 linear",
 }
 
 

@@ -190,8 +190,11 @@ DEFINE_SCORE_BLOCK(score_block_bfloat16, uint16_t, key_chunk_bf16)
 #define BLOCKS_F32 score_block_float32
 #define BLOCKS_BF16 score_block_bfloat16
 #else
-#define BLOCKS_F32 NULL
-#define BLOCKS_BF16 NULL
+/* no score blocks without AVX-512: typed null pointers, so that the branch that calls them compiles */
+typedef void (*f32_blocks_t)(const float *, const float *const *, int, int, float *);
+typedef void (*bf16_blocks_t)(const float *, const uint16_t *const *, int, int, float *);
+#define BLOCKS_F32 ((f32_blocks_t)NULL)
+#define BLOCKS_BF16 ((bf16_blocks_t)NULL)
 #endif
 typedef void (*no_blocks_t)(const float *, const double *const *, int, int, float *);
 DEFINE_ATTEND(attend_float32, float, float, AS_IS, AS_IS, exp_nonpositive, BLOCKS_F32)
@@ -258,4 +261,161 @@ void linear_bfloat16(const uint16_t *x, long x_row, const uint16_t *w, long w_ro
 int linear_available(void) { return 0; }
 void linear_bfloat16(const uint16_t *x, long x_row, const uint16_t *w, long w_row, const uint16_t *bias,
                      uint16_t *y, long y_row, int rows, int outs, int ins, int threads) {}
+#endif
+
+/* Weight-only int8 linear (model.quantize=int8): out[m][n] = scale[n] * sum over k of
+ * x[m][k] * w[n][k] (+ bias[n]), w int8 with one float scale per output, x and out float32 or
+ * bfloat16 (x_bf16, y_bf16). Each output's sum runs in two accumulators of 16 float lanes
+ * (k in steps of 32, accumulator (k / 16) mod 2), reduced by one fixed routine: its bits depend
+ * on its input row and weight row alone, whatever else the call holds (batch-invariant by
+ * construction, as the bfloat16 linear above). Rows go eight at a time (each int8 weight row read
+ * and converted once for them), then four, then one at a time. ins: a multiple of 32. */
+static float *int8_inputs(const void *x, int x_bf16, long x_row, int rows, int ins) {
+    float *xf = malloc(sizeof(float) * (size_t)rows * (size_t)ins);
+    for (int m = 0; m < rows; m++)
+        for (int k = 0; k < ins; k++)
+            xf[(long)m * ins + k] = x_bf16 ? bf16_value(((const uint16_t *)x)[(long)m * x_row + k])
+                                           : ((const float *)x)[(long)m * x_row + k];
+    return xf;
+}
+
+static inline void int8_store(void *y, int y_bf16, long at, float value) {
+    if (y_bf16)
+        ((uint16_t *)y)[at] = bf16_bits(value);
+    else
+        ((float *)y)[at] = value;
+}
+
+#if defined(__AVX512F__)
+#define I8_LOAD(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define I8_ROW(A0, A1, XR)                                                                             \
+    A0 = _mm512_fmadd_ps(_mm512_loadu_ps(XR + k), w0, A0);                                            \
+    A1 = _mm512_fmadd_ps(_mm512_loadu_ps(XR + k + 16), w1, A1);
+#define I8_FINISH(A0, A1, ROW_INDEX)                                                                   \
+    {                                                                                                 \
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(A0, A1)) * s;                                  \
+        int8_store(y, y_bf16, (long)(ROW_INDEX) * y_row + n, bias ? sum + bias[n] : sum);             \
+    }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* bfloat16 inputs: 64 int8 weights widened to bfloat16 (exact: |w| <= 127) once for every row,
+ * then vdpbf16ps as in the bfloat16 linear (ins: a multiple of 64) */
+#define I8_WIDEN(P, LANE) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(P, LANE)))
+#define I8_DP_ROW(A0, A1, XR)                                                                          \
+    A0 = _mm512_dpbf16_ps(A0, w0, BF16_LOAD(XR + k));                                                 \
+    A1 = _mm512_dpbf16_ps(A1, w1, BF16_LOAD(XR + k + 32));
+static void linear_int8_dp(const uint16_t *x, long x_row, const int8_t *w, long w_row, const float *scales,
+                           const float *bias, void *y, int y_bf16, long y_row, int rows, int outs, int ins,
+                           int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < outs; n++) {
+        const int8_t *wn = w + (long)n * w_row;
+        float s = scales[n];
+        int m = 0;
+        for (; m + 4 <= rows; m += 4) {
+            const uint16_t *x0 = x + (long)m * x_row, *x1 = x0 + x_row, *x2 = x1 + x_row, *x3 = x2 + x_row;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
+            __m512 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+            for (int k = 0; k < ins; k += 64) {
+                __m512i p = _mm512_loadu_si512((const void *)(wn + k));
+                __m512bh w0 = _mm512_cvtne2ps_pbh(I8_WIDEN(p, 1), I8_WIDEN(p, 0));
+                __m512bh w1 = _mm512_cvtne2ps_pbh(I8_WIDEN(p, 3), I8_WIDEN(p, 2));
+                I8_DP_ROW(a00, a01, x0)
+                I8_DP_ROW(a10, a11, x1)
+                I8_DP_ROW(a20, a21, x2)
+                I8_DP_ROW(a30, a31, x3)
+            }
+            I8_FINISH(a00, a01, m)
+            I8_FINISH(a10, a11, m + 1)
+            I8_FINISH(a20, a21, m + 2)
+            I8_FINISH(a30, a31, m + 3)
+        }
+        for (; m < rows; m++) {
+            const uint16_t *x0 = x + (long)m * x_row;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00;
+            for (int k = 0; k < ins; k += 64) {
+                __m512i p = _mm512_loadu_si512((const void *)(wn + k));
+                __m512bh w0 = _mm512_cvtne2ps_pbh(I8_WIDEN(p, 1), I8_WIDEN(p, 0));
+                __m512bh w1 = _mm512_cvtne2ps_pbh(I8_WIDEN(p, 3), I8_WIDEN(p, 2));
+                I8_DP_ROW(a00, a01, x0)
+            }
+            I8_FINISH(a00, a01, m)
+        }
+    }
+}
+#define I8_DP 1
+#endif
+void linear_int8(const void *x, int x_bf16, long x_row, const int8_t *w, long w_row, const float *scales,
+                 const float *bias, void *y, int y_bf16, long y_row, int rows, int outs, int ins, int threads) {
+#ifdef I8_DP
+    if (x_bf16 && ins % 64 == 0) { /* a choice made by shapes alone, never by the rows */
+        linear_int8_dp((const uint16_t *)x, x_row, w, w_row, scales, bias, y, y_bf16, y_row, rows, outs, ins, threads);
+        return;
+    }
+#endif
+    float *xf = int8_inputs(x, x_bf16, x_row, rows, ins);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < outs; n++) {
+        const int8_t *wn = w + (long)n * w_row;
+        float s = scales[n];
+        int m = 0;
+        for (; m + 8 <= rows; m += 8) {
+            const float *x0 = xf + (long)m * ins;
+            __m512 a[16];
+            for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+            for (int k = 0; k < ins; k += 32) {
+                __m512 w0 = I8_LOAD(wn + k), w1 = I8_LOAD(wn + k + 16);
+                for (int j = 0; j < 8; j++) {
+                    I8_ROW(a[2 * j], a[2 * j + 1], (x0 + (long)j * ins))
+                }
+            }
+            for (int j = 0; j < 8; j++) I8_FINISH(a[2 * j], a[2 * j + 1], m + j)
+        }
+        for (; m + 4 <= rows; m += 4) {
+            const float *x0 = xf + (long)m * ins, *x1 = x0 + ins, *x2 = x1 + ins, *x3 = x2 + ins;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
+            __m512 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+            for (int k = 0; k < ins; k += 32) {
+                __m512 w0 = I8_LOAD(wn + k), w1 = I8_LOAD(wn + k + 16);
+                I8_ROW(a00, a01, x0)
+                I8_ROW(a10, a11, x1)
+                I8_ROW(a20, a21, x2)
+                I8_ROW(a30, a31, x3)
+            }
+            I8_FINISH(a00, a01, m)
+            I8_FINISH(a10, a11, m + 1)
+            I8_FINISH(a20, a21, m + 2)
+            I8_FINISH(a30, a31, m + 3)
+        }
+        for (; m < rows; m++) {
+            const float *x0 = xf + (long)m * ins;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00;
+            for (int k = 0; k < ins; k += 32) {
+                __m512 w0 = I8_LOAD(wn + k), w1 = I8_LOAD(wn + k + 16);
+                I8_ROW(a00, a01, x0)
+            }
+            I8_FINISH(a00, a01, m)
+        }
+    }
+    free(xf);
+}
+#else
+void linear_int8(const void *x, int x_bf16, long x_row, const int8_t *w, long w_row, const float *scales,
+                 const float *bias, void *y, int y_bf16, long y_row, int rows, int outs, int ins, int threads) {
+    float *xf = int8_inputs(x, x_bf16, x_row, rows, ins);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < outs; n++) {
+        const int8_t *wn = w + (long)n * w_row;
+        for (int m = 0; m < rows; m++) {
+            const float *xm = xf + (long)m * ins;
+            float lane[32] = {0};
+            for (int k = 0; k < ins; k += 32)
+                for (int j = 0; j < 32; j++) lane[j] += xm[k + j] * (float)wn[k + j];
+            for (int width = 16; width > 0; width /= 2)
+                for (int j = 0; j < width; j++) lane[j] += lane[j + width];
+            float sum = lane[0] * scales[n];
+            int8_store(y, y_bf16, (long)m * y_row + n, bias ? sum + bias[n] : sum);
+        }
+    }
+    free(xf);
+}
 #endif

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdec.decoders.models.kernels import RoutedLinear, routed_product
+from specdec.decoders.models.quantize import Int8Linear
 
 # Layers whose forward the fused one reproduces: pre-norm, attention with q/k/v/o projections,
 # rotary embeddings, a gated MLP, RMSNorm as Llama's (weight * normed.to(dtype)); each with the
@@ -59,7 +60,7 @@ class Stacked:
     """One stacked product: the parts' weights (and biases) one above the other, and the
     sizes to split its output back into the parts."""
 
-    linear: torch.nn.Linear
+    linear: torch.nn.Module  # nn.Linear or Int8Linear
     sizes: list[int]
     stamp: tuple
 
@@ -89,12 +90,13 @@ class Fusion:
         not a plain (or routed) linear."""
         attention, mlp = layer.self_attn, layer.mlp
         parts = (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj)
-        if any(type(p) is not torch.nn.Linear and not isinstance(p, RoutedLinear) for p in parts):
+        linear = all(type(p) is torch.nn.Linear or isinstance(p, RoutedLinear) for p in parts)
+        if not linear and not all(isinstance(p, Int8Linear) for p in parts):
             return None
         if not self.stacked:
             self.stacks[layer] = ()
             return ()
-        stamp = tuple(_stamp(p.weight) for p in parts)
+        stamp = tuple(_stamp(p.weight if linear else p.qweight) for p in parts)
         held = self.stacks.get(layer)
         if held is None or held[0].stamp != stamp[:3] or held[1].stamp != stamp[3:]:
             held = self.stacks[layer] = (_stack(parts[:3], stamp[:3]), _stack(parts[3:], stamp[3:]))
@@ -106,7 +108,13 @@ def _stamp(weight: torch.Tensor) -> tuple:
     return (weight.data_ptr(), None if weight.is_inference() else weight._version)
 
 
-def _stack(parts: tuple[torch.nn.Linear, ...], stamp: tuple) -> Stacked:
+def _stack(parts: tuple[torch.nn.Module, ...], stamp: tuple) -> Stacked:
+    sizes = [p.out_features for p in parts]
+    if isinstance(parts[0], Int8Linear):  # int8 rows and their scales, one above the other
+        biases = [p.bias for p in parts]
+        bias = None if biases[0] is None else torch.cat(biases)
+        qweight, scales = torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts])
+        return Stacked(Int8Linear(qweight, scales, bias, parts[0].dtype), sizes, stamp)
     weight = torch.cat([p.weight.detach() for p in parts])
     biases = [p.bias for p in parts]
     with torch.device("meta"):
@@ -114,7 +122,7 @@ def _stack(parts: tuple[torch.nn.Linear, ...], stamp: tuple) -> Stacked:
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     if biases[0] is not None:
         linear.bias = torch.nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
-    return Stacked(linear, [p.weight.shape[0] for p in parts], stamp)
+    return Stacked(linear, sizes, stamp)
 
 
 def _product(stacked: Stacked, like: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -123,6 +131,8 @@ def _product(stacked: Stacked, like: torch.nn.Module, x: torch.Tensor) -> list[t
 
 
 def _stacked_product(stacked: Stacked, like: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(stacked.linear, Int8Linear):
+        return stacked.linear(x)
     if isinstance(like, RoutedLinear):
         return routed_product(stacked.linear, x, like.route)
     return F.linear(x, stacked.linear.weight, stacked.linear.bias)
@@ -267,10 +277,12 @@ def fusion_differs(model: torch.nn.Module, widths: tuple[int, ...] = (1, 2, 3, 4
         return None
     attention, mlp = layer.self_attn, layer.mlp
     generator = torch.Generator().manual_seed(0)
-    weight = attention.q_proj.weight
+    like = layer.input_layernorm.weight  # the model's dtype and device (an int8 layer's weight is not)
     with torch.inference_mode():
         for rows in widths:
-            x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+            x = torch.randn(rows, attention.q_proj.in_features, generator=generator).to(
+                like.device, like.dtype
+            )
             for stacked, parts in (
                 (stacks[0], ("q_proj", "k_proj", "v_proj")),
                 (stacks[1], ("gate_proj", "up_proj")),

@@ -25,6 +25,7 @@ from specdec.decoders.models import cpu
 from specdec.decoders.models.architecture import UnsupportedArchitectureError
 from specdec.decoders.models.cache import cache_dir
 from specdec.decoders.models.fused_layers import fusion_differs, wants_fused
+from specdec.decoders.models.quantize import check_quantize, quantize_linears
 from specdec.decoders.models.settings import wants_exact, wants_narrow_routing
 from specdec.decoders.models.target import Target
 
@@ -54,6 +55,8 @@ class ModelConfig:
         (stacked projections, no submodule calls; :mod:`specdec.decoders.models.fused_layers`),
         stacked where a check on the model's weights finds the bits kept; ``auto`` = wherever
         the linears are routed (narrow passes or exact mode).
+    quantize: ``none`` or ``int8``: weight-only int8 linears (:mod:`specdec.decoders.models.quantize`),
+        a different target that speculation is lossless relative to.
     live_cost: the sizing's T(n) follows the verification passes timed while decoding
         (:class:`specdec.decoders.models.cost.PassTimes`), not only the cached measurement;
         off wherever a fixed curve is given (``SPECDEC_COST_CURVE``, tests).
@@ -67,6 +70,7 @@ class ModelConfig:
     narrow_passes: Any = "auto"  # auto, true or false (a string or a bool: Any)
     exact: Any = "auto"  # auto, true or false
     fused_layers: Any = "auto"  # auto, true or false
+    quantize: str = "none"  # none or int8
     live_cost: bool = True
     # tiny-random only
     vocab_size: int = 320
@@ -78,6 +82,7 @@ class ModelConfig:
         resolve_device(self.device)
         if self.dtype != "auto":
             check_dtype(self.dtype)
+        check_quantize(self.quantize)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -193,6 +198,8 @@ def prepare_model(model: torch.nn.Module, cfg: ModelConfig) -> Target:
     model.eval()
     model.requires_grad_(False)
     device = next(model.parameters()).device
+    if quantized := quantize_linears(model, cfg.quantize):
+        print(f"[quantize] {quantized} linears in int8: a target of its own", file=sys.stderr)
     exact, reason = wants_exact(cfg.exact, device, dtype)
     narrow = wants_narrow_routing(cfg.narrow_passes, device, dtype)
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.has("onednn_bf16_linear"):

@@ -49,6 +49,11 @@ _LINEAR_ARGS = [
 ]
 _LINEAR_ARGS += [ctypes.c_long] + [ctypes.c_int] * 4
 LINEAR_STEP = 64  # the bfloat16 linear's inputs: a multiple of this many
+_INT8_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
+_INT8_ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long] + [
+    ctypes.c_int
+] * 4
+INT8_STEP = 32  # the int8 linear's inputs: a multiple of this many
 _ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
 _ARGS += [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
 
@@ -104,6 +109,8 @@ def _library() -> ctypes.CDLL | None:
     library.linear_bfloat16.argtypes = _LINEAR_ARGS
     library.linear_bfloat16.restype = None
     library.linear_available.restype = ctypes.c_int
+    library.linear_int8.argtypes = _INT8_ARGS
+    library.linear_int8.restype = None
     return library
 
 
@@ -141,6 +148,31 @@ def linear(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
         None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
         rows, outs, weight.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def int8_kernel():
+    """The weight-only int8 linear (the C file's ``linear_int8``), or None where the kernels do
+    not build here."""
+    library = _library()
+    return library.linear_int8 if library is not None else None
+
+
+def linear_int8(
+    function, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (rows, in) float32 or bfloat16 @ (scales * qweight).T (+ bias) -> (rows, out) in x's
+    dtype; qweight (out, in) int8, scales and bias (out,) float32. Each output on its own:
+    batch-invariant as :func:`linear` is."""
+    x = x.contiguous()
+    rows, outs = x.shape[0], qweight.shape[0]
+    y = torch.empty(rows, outs, dtype=x.dtype)
+    low = x.dtype == torch.bfloat16
+    function(
+        x.data_ptr(), int(low), x.stride(0), qweight.data_ptr(), qweight.stride(0), scales.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), int(low), y.stride(0),
+        rows, outs, qweight.shape[1], torch.get_num_threads(),
     )  # fmt: skip
     return y
 

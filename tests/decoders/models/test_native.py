@@ -3,6 +3,10 @@ alone, and where it cannot be built exact attention keeps its Python route."""
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -117,3 +121,20 @@ def test_a_compiler_that_fails_is_named_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match=r"^false failed"):
         native.build(tmp_path)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets only")
+@pytest.mark.parametrize("arch", ["x86-64-v2", "x86-64-v3", "x86-64-v4"])
+def test_the_source_compiles_for_cpus_with_and_without_avx512(arch, tmp_path):
+    """``-march=native`` picks the code paths of the CPU at hand; the others must compile too
+    (an AVX2-only CPU takes the paths without score blocks or BF16 dot products)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler (cc or gcc) on PATH")
+    flags = [f if f != "-march=native" else f"-march={arch}" for f in native.FLAGS]
+    result = subprocess.run(
+        [compiler, *flags, str(native.SOURCE), "-o", str(tmp_path / "k.so"), "-lm"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
