@@ -63,6 +63,11 @@ def packed_attention(
     assert layout is not None and layout.inner is not None
     layer = module.layer_idx
     kind = layout.layer_types[layer]
+    if (many := getattr(layout.inner, "many", None)) is not None:  # every request in one call
+        masks = [each[kind] for each in layout.masks]
+        out = many(module, query, layout.spans, layout.kv[layer], masks, dropout, scaling, **kwargs)
+        if out is not None:
+            return out, None
     outputs = []
     for (start, end), masks, (keys, values) in zip(layout.spans, layout.masks, layout.kv[layer]):
         out, _ = layout.inner(

@@ -121,6 +121,41 @@ def exact_attention(
     return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
+def exact_attention_many(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    spans: list[tuple[int, int]],
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    masks: list[torch.Tensor | None],
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    visible: TailLayouts | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """A packed pass's exact attention over every request in one call of the C kernel
+    (:func:`specdec.decoders.models.native.attend_many`): query (1, heads, rows, d) of every
+    request, request i's rows ``spans[i]`` against its keys and values ``kv[i]`` under its
+    mask ``masks[i]``. Returns (1, rows, heads, d), each row's bits those of the request's own
+    :func:`exact_attention`; None where some request would not take the kernel alone (the
+    caller then runs each request on its own)."""
+    batch, heads, rows, dim = query.shape
+    plain = batch == 1 and not dropout and not kwargs.get("softcap") and not kwargs.get("s_aux")
+    on_kernel = plain and query.device.type == "cpu" and cpu.has("native_attention")
+    function = native.many_kernel(query.dtype) if on_kernel else None
+    if function is None:
+        return None
+    requests = []
+    for (start, end), (key, value), mask in zip(spans, kv, masks):
+        count = end - start
+        prefix = key.shape[2] - count
+        layout = (visible or visible_layout)(mask, prefix, count, query.device) if count <= MAX_ROWS else None
+        if layout is None:
+            return None
+        requests.append((key[0], value[0], prefix, start, count, *layout))
+    scale = dim**-0.5 if scaling is None else scaling
+    return native.attend_many(function, query[0], requests, scale).unsqueeze(0)
+
+
 Layout = tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]
 
 

@@ -130,6 +130,49 @@ DEFINE_SCORE_BLOCK(score_block_bfloat16, uint16_t, key_chunk_bf16)
             for (int j = 0; j < width; j++) lane[j] += lane[j + width];                               \
         return lane[0];                                                                               \
     }                                                                                                 \
+    /* one (row, head): its query qs against the keys of its kv head (key, value: that head's) */   \
+    static void NAME##_one(const T *qs, const T *key, long k_pos, const T *value, long v_pos, T *os, int d,  \
+                           int prefix, const int32_t *visible, int count, double scale) {               \
+        int n = prefix + count;                                                                       \
+        SCALAR *q = malloc(sizeof(SCALAR) * ((size_t)d * 2 + (size_t)n));                            \
+        SCALAR *acc = q + d, *w = acc + d;                                                            \
+        for (int i = 0; i < d; i++) q[i] = LOAD(qs[i]);                                               \
+        SCALAR peak = -INFINITY;                                                                      \
+        if (SCORES != NULL && d % 16 == 0) {                                                          \
+            for (int t0 = 0; t0 < n; t0 += 16) {                                                      \
+                const T *block[16];                                                                   \
+                int count16 = n - t0 < 16 ? n - t0 : 16;                                              \
+                for (int j = 0; j < count16; j++) {                                                   \
+                    int t = t0 + j;                                                                   \
+                    long at = t < prefix ? t : prefix + visible[t - prefix];                          \
+                    block[j] = key + at * k_pos;                                                      \
+                }                                                                                     \
+                SCORES((const float *)q, block, count16, d, (float *)(w + t0));                       \
+            }                                                                                         \
+            for (int t = 0; t < n; t++) {                                                             \
+                w[t] = w[t] * (SCALAR)scale;                                                          \
+                if (w[t] > peak) peak = w[t];                                                         \
+            }                                                                                         \
+        } else {                                                                                      \
+            for (int t = 0; t < n; t++) {                                                             \
+                long at = t < prefix ? t : prefix + visible[t - prefix];                              \
+                w[t] = NAME##_dot(key + at * k_pos, q, d) * (SCALAR)scale;                            \
+                if (w[t] > peak) peak = w[t];                                                         \
+            }                                                                                         \
+        }                                                                                             \
+        for (int t = 0; t < n; t++) w[t] = EXP(w[t] - peak);                                          \
+        SCALAR total = 0;                                                                             \
+        for (int t = 0; t < n; t++) total += w[t];                                                    \
+        for (int i = 0; i < d; i++) acc[i] = 0;                                                       \
+        for (int t = 0; t < n; t++) {                                                                 \
+            long at = t < prefix ? t : prefix + visible[t - prefix];                                  \
+            const T *vs = value + at * v_pos;                                                         \
+            SCALAR weight = w[t];                                                                     \
+            for (int i = 0; i < d; i++) acc[i] += weight * LOAD(vs[i]);                               \
+        }                                                                                             \
+        for (int i = 0; i < d; i++) os[i] = STORE(acc[i] / total);                                    \
+        free(q);                                                                                      \
+    }                                                                                                 \
     void NAME(const T *query, long q_head, long q_row, const T *key, long k_head, long k_pos,        \
               const T *value, long v_head, long v_pos, T *out, long o_head, long o_row, int heads,  \
               int kv_heads, int rows, int d, int prefix, const int32_t *visible, long stride_visible, \
@@ -139,48 +182,33 @@ DEFINE_SCORE_BLOCK(score_block_bfloat16, uint16_t, key_chunk_bf16)
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                            \
         for (long task = 0; task < tasks; task++) {                                                  \
             int h = (int)(task / rows), r = (int)(task % rows), g = h / groups;                      \
-            int n = prefix + counts[r];                                                               \
-            SCALAR *q = malloc(sizeof(SCALAR) * ((size_t)d * 2 + (size_t)n));                        \
-            SCALAR *acc = q + d, *w = acc + d;                                                        \
-            const T *qs = query + h * q_head + r * q_row;                                             \
-            for (int i = 0; i < d; i++) q[i] = LOAD(qs[i]);                                           \
-            SCALAR peak = -INFINITY;                                                                  \
-            if (SCORES != NULL && d % 16 == 0) {                                                      \
-                for (int t0 = 0; t0 < n; t0 += 16) {                                                  \
-                    const T *block[16];                                                               \
-                    int count = n - t0 < 16 ? n - t0 : 16;                                            \
-                    for (int j = 0; j < count; j++) {                                                 \
-                        int t = t0 + j;                                                               \
-                        long at = t < prefix ? t : prefix + visible[r * stride_visible + (t - prefix)]; \
-                        block[j] = key + g * k_head + at * k_pos;                                     \
-                    }                                                                                 \
-                    SCORES((const float *)q, block, count, d, (float *)(w + t0));                     \
-                }                                                                                     \
-                for (int t = 0; t < n; t++) {                                                         \
-                    w[t] = w[t] * (SCALAR)scale;                                                      \
-                    if (w[t] > peak) peak = w[t];                                                     \
-                }                                                                                     \
-            } else {                                                                                  \
-                for (int t = 0; t < n; t++) {                                                         \
-                    long at = t < prefix ? t : prefix + visible[r * stride_visible + (t - prefix)];   \
-                    w[t] = NAME##_dot(key + g * k_head + at * k_pos, q, d) * (SCALAR)scale;          \
-                    if (w[t] > peak) peak = w[t];                                                     \
-                }                                                                                     \
-            }                                                                                         \
-            for (int t = 0; t < n; t++) w[t] = EXP(w[t] - peak);                                      \
-            SCALAR total = 0;                                                                         \
-            for (int t = 0; t < n; t++) total += w[t];                                                \
-            for (int i = 0; i < d; i++) acc[i] = 0;                                                   \
-            for (int t = 0; t < n; t++) {                                                             \
-                long at = t < prefix ? t : prefix + visible[r * stride_visible + (t - prefix)];       \
-                const T *vs = value + g * v_head + at * v_pos;                                        \
-                SCALAR weight = w[t];                                                                 \
-                for (int i = 0; i < d; i++) acc[i] += weight * LOAD(vs[i]);                           \
-            }                                                                                         \
-            T *os = out + h * o_head + r * o_row;                                                     \
-            for (int i = 0; i < d; i++) os[i] = STORE(acc[i] / total);                                \
-            free(q);                                                                                  \
+            NAME##_one(query + h * q_head + r * q_row, key + g * k_head, k_pos, value + g * v_head, v_pos, \
+                       out + h * o_head + r * o_row, d, prefix, visible + r * stride_visible, counts[r], scale); \
         }                                                                                             \
+    }                                                                                                 \
+    /* a packed pass over several requests in one call: request i's rows are query rows           \
+     * meta[i*12+7] .. +meta[i*12+8], against its own keys and values; meta per request: key,        \
+     * k_head, k_pos, value, v_head, v_pos, prefix, first row, rows, visible, stride_visible, counts */ \
+    void NAME##_many(const T *query, long q_head, long q_row, T *out, long o_head, long o_row, int heads, \
+                     int kv_heads, int d, int requests, const long *meta, double scale, int threads) {  \
+        int groups = heads / kv_heads;                                                                \
+        int total = 0;                                                                                \
+        for (int i = 0; i < requests; i++) total += (int)meta[i * 12 + 8];                            \
+        int *owner = malloc(sizeof(int) * (size_t)(total > 0 ? total : 1));                           \
+        for (int i = 0; i < requests; i++)                                                            \
+            for (long r = 0; r < meta[i * 12 + 8]; r++) owner[meta[i * 12 + 7] + r] = i;              \
+        long tasks = (long)heads * total;                                                             \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                            \
+        for (long task = 0; task < tasks; task++) {                                                  \
+            int h = (int)(task / total), row = (int)(task % total), g = h / groups;                  \
+            const long *m = meta + owner[row] * 12;                                                   \
+            int r = row - (int)m[7];                                                                  \
+            const T *key = (const T *)m[0], *value = (const T *)m[3];                                 \
+            const int32_t *visible = (const int32_t *)m[9], *counts = (const int32_t *)m[11];         \
+            NAME##_one(query + h * q_head + row * q_row, key + g * m[1], m[2], value + g * m[4], m[5], \
+                       out + h * o_head + row * o_row, d, (int)m[6], visible + r * m[10], counts[r], scale); \
+        }                                                                                             \
+        free(owner);                                                                                  \
     }
 
 #define AS_IS(x) (x)

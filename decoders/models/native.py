@@ -53,6 +53,8 @@ _INT8_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, cty
 _INT8_ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long] + [
     ctypes.c_int
 ] * 4
+_MANY_ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+_MANY_ARGS += [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
 INT8_STEP = 32  # the int8 linear's inputs: a multiple of this many
 _ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
 _ARGS += [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
@@ -106,6 +108,8 @@ def _library() -> ctypes.CDLL | None:
     for symbol in SYMBOLS.values():
         getattr(library, symbol).argtypes = _ARGS
         getattr(library, symbol).restype = None
+        getattr(library, symbol + "_many").argtypes = _MANY_ARGS
+        getattr(library, symbol + "_many").restype = None
     library.linear_bfloat16.argtypes = _LINEAR_ARGS
     library.linear_bfloat16.restype = None
     library.linear_available.restype = ctypes.c_int
@@ -213,6 +217,38 @@ def attend(
         out.data_ptr(), out.stride(1), out.stride(0),
         heads, key.shape[0], rows, dim, prefix,
         visible.data_ptr(), visible.stride(0), counts.data_ptr(), scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def many_kernel(dtype: torch.dtype):
+    """The attention kernel over a packed pass of several requests for ``dtype``
+    (:func:`attend_many`), or None for another dtype or where the kernels do not build."""
+    library = _library() if dtype in SYMBOLS else None
+    return getattr(library, SYMBOLS[dtype] + "_many") if library is not None else None
+
+
+def attend_many(function, query: torch.Tensor, requests: list[tuple], scale: float) -> torch.Tensor:
+    """A packed pass's attention in one call: query (heads, rows, d) holds every request's rows;
+    ``requests``: per request (key, value, prefix, first row, rows, visible, counts), its keys and
+    values (kv_heads, keys, d) and its rows' layout (:func:`visible_rows`). -> (rows, heads, d).
+    Each (row, head) is computed as :func:`attend` computes it for the request alone."""
+    heads, rows, dim = query.shape
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    meta, kept = [], []
+    for key, value, prefix, first, count, visible, counts in requests:
+        key = key if key.stride(-1) == 1 else key.contiguous()
+        value = value if value.stride(-1) == 1 else value.contiguous()
+        kept += [key, value]
+        meta += [key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1)]
+        meta += [prefix, first, count, visible.data_ptr(), visible.stride(0), counts.data_ptr()]
+    table = torch.tensor(meta, dtype=torch.int64)
+    out = torch.empty(rows, heads, dim, dtype=query.dtype)
+    kv_heads = requests[0][0].shape[0]
+    function(
+        query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(1), out.stride(0),
+        heads, kv_heads, dim, len(requests), table.data_ptr(), scale, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -45,7 +45,12 @@ from specdec.decoders.models.architecture import PassPositions, decoder_of
 from specdec.decoders.models.batch import BatchLayout, check_batchable, packed_attention, packed_forward
 from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
 from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
-from specdec.decoders.models.exact_attention import TailLayouts, exact_attention, visible_layout
+from specdec.decoders.models.exact_attention import (
+    TailLayouts,
+    exact_attention,
+    exact_attention_many,
+    visible_layout,
+)
 from specdec.decoders.models.fused_layers import Fusion, fuse_layers, unfuse_layers
 from specdec.decoders.models.kernels import (
     DEFAULT_MAX_ROWS,
@@ -119,7 +124,9 @@ class Target:
         self.narrow, self.exact = narrow, exact
         if exact:
             layouts = TailLayouts(), TailLayouts(build=visible_layout)
-            self._attend("exact", functools.partial(exact_attention, layouts=layouts[0], visible=layouts[1]))
+            function = functools.partial(exact_attention, layouts=layouts[0], visible=layouts[1])
+            function.many = functools.partial(exact_attention_many, visible=layouts[1])  # packed passes'
+            self._attend("exact", function)
         elif narrow:
             self._attend("packed", functools.partial(packed_gqa_attention, tiled_masks=TiledMasks()))
         elif self.attention != self.base_attention and self.base_attention is not None:

@@ -12,11 +12,12 @@ from scipy.stats import chisquare
 
 from specdec.decoders.engine.pipeline import Pipeline
 from specdec.decoders.engine.sampling import SamplingConfig, processed_probs
+from specdec.decoders.models import native
 from specdec.decoders.models.cost import CostCurve
 from specdec.decoders.models.loading import ModelConfig, load_model
 from specdec.decoders.models.session import ModelSession
 from specdec.decoders.sizing.policy import SizingPolicy
-from tests.conftest import lossless_verifiers, pipeline_or_skip, random_prompts
+from tests.conftest import lossless_verifiers, pipeline_or_skip, random_prompts, requires_cpu
 
 BATCHABLE = [
     None,  # standard decoding, batched
@@ -153,6 +154,29 @@ def test_a_packed_pass_gives_each_request_its_own_pass(dtype):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
         else:
             torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+@requires_cpu("native_attention")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_exact_mode_attends_to_every_request_of_a_packed_pass_in_one_call_a_layer(dtype, monkeypatch):
+    target, _ = load_model(ModelConfig(name="tiny-random", dtype=dtype, device="cpu", exact="true"))
+    prompts, blocks, parents = [[5, 6, 7] * 30, [1, 2, 3]], [[3, 4, 5], [7]], [[-1, 0, 0], None]
+    alone = []
+    for prompt, block, tree in zip(prompts, blocks, parents):
+        session = target.session()
+        session.forward(prompt, last_only=True)
+        alone.append(session.forward(block, tree))
+    sessions = [target.session() for _ in prompts]
+    for session, prompt in zip(sessions, prompts):
+        session.forward(prompt, last_only=True)
+    calls = []
+    many = native.attend_many
+    monkeypatch.setattr(native, "attend", lambda *a: pytest.fail("a request's attention ran on its own"))
+    monkeypatch.setattr(native, "attend_many", lambda *a: calls.append(len(a[2])) or many(*a))
+    packed = target.packed_forward(sessions, blocks, parents)
+    assert calls == [2] * len(target.layers())
+    for got, expected in zip(packed, alone):
+        assert torch.equal(got, expected)
 
 
 def test_a_packed_pass_takes_input_embeddings_and_trees_grown_over_passes():
