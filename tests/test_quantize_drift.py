@@ -23,7 +23,9 @@ def test_the_common_prefix_ends_at_the_first_differing_token():
 
 
 def test_the_drift_is_measured_over_every_prompt(capsys):
-    result = load_script().main(["--model", "tiny-random", "--dtype", "float32", "--limit", "1", "--tokens", "6"])
+    result = load_script().main(
+        ["--model", "tiny-random", "--dtype", "float32", "--limit", "1", "--tokens", "6"]
+    )
     assert result["prompts"] == 6  # the default workload's six categories, one prompt each
     assert 0.0 <= result["identical"] <= result["positions_agreeing"] <= 1.0
     assert 0.0 <= result["common_prefix"] <= 6

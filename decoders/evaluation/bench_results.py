@@ -102,6 +102,7 @@ def results_payload(
         "cost_curve_exact_off": curves.get(f"standard{EXACT_OFF}"),
         "pass_times": timed.describe() if (timed := base.target.pass_times()) else None,
         "memory_limit": bench_memory_limit(base.target, timed),
+        "compile": base.target.compile_stats.record() if base.target.compile_stats.loaded else None,
         "config": OmegaConf.to_container(cfg, resolve=True),
         "aa": aa,  # the A/A twin overall: within ±AA_TOLERANCE, the run supports its figures
         "pipelines": pipelines,
@@ -135,6 +136,11 @@ def format_table(payload: dict) -> str:
         lines.append(machine_line(payload["machine"]))
     if payload.get("memory_limit"):
         lines.append(memory_limit_line(payload["memory_limit"]))
+    if compiled := payload.get("compile"):
+        lines.append(
+            f"compiled: {compiled['graphs']} graphs in {compiled['seconds']} s at load (outside the requests' "
+            f"stats), {compiled['during_run']} more while decoding"
+        )
     lines += [header, "-" * len(header)]
 
     def fmt(value, spec):

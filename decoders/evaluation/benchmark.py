@@ -110,7 +110,8 @@ def target_cost_curve(bench: BenchConfig, base: Pipeline, output: Path) -> CostC
     afresh into the output directory. Called before any contender is timed."""
     if bench.cost_cache:  # the target's own: the sizers read the same curve (one measurement, kept)
         return base.target.cost_curve(base.context.target_key, base.context.cost_cache_dir)
-    return cached_cost_curve(base.model, base.context.target_key, output.parent, exact=base.target.exact)
+    key = base.context.target_key + base.target.variant
+    return cached_cost_curve(base.model, key, output.parent, exact=base.target.exact)
 
 
 def exact_off_cost_curve(bench: BenchConfig, base: Pipeline, output: Path) -> CostCurve:

@@ -116,12 +116,19 @@ def pipeline_contender(pipeline: Pipeline, name: str = "standard", kind: str = "
     )
 
 
-def peer_contender(peer) -> Contender:
+def peer_contender(peer, target: Target | None = None) -> Contender:
+    """A peer as a contender; a ``plain`` peer runs with ``target``'s routes off for its calls."""
+
     def run(prompt_ids: list[int], max_new_tokens: int, constraint: Constraint | None = None) -> Record:
-        tokens, elapsed, complete = peer.run(prompt_ids, max_new_tokens, constraint)
+        if peer.plain and target is not None:
+            with target.as_built():
+                tokens, elapsed, complete = peer.run(prompt_ids, max_new_tokens, constraint)
+        else:
+            tokens, elapsed, complete = peer.run(prompt_ids, max_new_tokens, constraint)
         counts = peer.rounds.record_fields() if peer.rounds is not None else {}
         return Record("", "", 0, 0, len(tokens), elapsed, tokens, constraint_complete=complete, **counts)
 
+    # not stepped: a plain peer switches the whole model's routes around its calls
     return Contender(peer.name, "peer", None, None, run)
 
 
@@ -256,7 +263,7 @@ def contenders_for(
             names,
             bench.prompt_lookup_tokens,
         )
-        contenders += [peer_contender(peer) for peer in peers]
+        contenders += [peer_contender(peer, base.target) for peer in peers]
     if bench.exact_off and base.target.exact:
         twins = [base.with_components(None, None)] + build_pipelines(cfg, base)
         contenders += [exact_off_twin(pipeline_contender(p), base.target) for p in twins]

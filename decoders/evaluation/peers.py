@@ -4,9 +4,16 @@ Each peer runs ``transformers``' own ``model.generate`` on the same prompt ids
 with the same sampling settings:
 
     hf_generate       plain generate (its counterpart: standard decoding)
+    hf_compiled       generate with a static cache, compiled by torch.compile (transformers'
+                      own compiled decoding; its counterpart: standard decoding)
     hf_prompt_lookup  prompt lookup decoding (counterpart: ngram)
     hf_assisted       assisted generation with the same draft model (draft_model)
     hf_early_exit     assistant_early_exit self-speculation (early_exit)
+
+``hf_compiled`` runs on the model as transformers builds it: the target's CPU routes (routed
+linears, fused layers, exact attention) are off for its calls, since its compiler would trace
+them. It compiles on its first calls (the bench's warm-up, discarded), over two prompt lengths so
+that its graphs are dynamic before any measured prompt.
 
 Under a constraint each peer gets the same grammar as a logits processor
 (:class:`GrammarLogitsProcessor`): transformers applies it at every position it decodes, the
@@ -39,6 +46,7 @@ PROMPT_LOOKUP_TOKENS = 10
 
 PEER_COUNTERPART = {
     "hf_generate": None,
+    "hf_compiled": None,
     "hf_prompt_lookup": "ngram",
     "hf_assisted": "draft_model",
     "hf_early_exit": "early_exit",
@@ -54,6 +62,8 @@ class HFPeer:
     generate_kwargs: dict[str, Any] = field(default_factory=dict)
     rounds: PeerRounds | None = None  # the last run's rounds (an assisted peer's counts)
     family: str = ""  # the name bench.peers picks it by (default: its name)
+    plain: bool = False  # runs on the model as transformers builds it (the target's routes off)
+    warmed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.family = self.family or self.name
@@ -83,6 +93,11 @@ class HFPeer:
                 top_p=self.sampling.top_p,
             )
         kwargs.update(self.generate_kwargs)
+        if self.plain and not self.warmed:  # compile now, for two prompt lengths: dynamic graphs
+            self.warmed = True
+            for length in (max(1, len(prompt_ids) // 2), len(prompt_ids)):
+                ids = input_ids[:, :length]
+                self.model.generate(**{**kwargs, "input_ids": ids, "attention_mask": torch.ones_like(ids)})
         start = time.perf_counter()
         processor = None
         if constraint is not None:  # its start (a matcher) is timed: our pipelines' is too
@@ -225,6 +240,16 @@ def make_peers(
     return [peer for peer in peers if names is None or peer.family in names]
 
 
+def compiled_generate_kwargs() -> dict[str, Any]:
+    """``generate``'s options for its compiled decoding: a static cache and a compile config
+    that compiles on any device (transformers compiles on GPUs only unless told)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True  # a class attribute transformers reads, not an argument
+    return {"cache_implementation": "static", "compile_config": config}
+
+
 def _counterpart_peers(
     target: torch.nn.Module,
     eos_token_ids: list[int],
@@ -233,6 +258,9 @@ def _counterpart_peers(
     prompt_lookup_tokens: int | list[int],
 ) -> list[HFPeer]:
     peers = [HFPeer("hf_generate", target, eos_token_ids, sampling)]
+    peers.append(
+        HFPeer("hf_compiled", target, eos_token_ids, sampling, compiled_generate_kwargs(), plain=True)
+    )
     if "ngram" in proposers:
         ngram = proposers["ngram"].config
         settings = prompt_lookup_tokens if isinstance(prompt_lookup_tokens, list) else [prompt_lookup_tokens]

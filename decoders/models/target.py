@@ -34,6 +34,7 @@ peers' ``generate``, training).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import weakref
@@ -43,6 +44,7 @@ import torch
 
 from specdec.decoders.models.architecture import PassPositions, decoder_of
 from specdec.decoders.models.batch import BatchLayout, check_batchable, packed_attention, packed_forward
+from specdec.decoders.models.compiled import CompileStats, uncompile
 from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
 from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
 from specdec.decoders.models.exact_attention import (
@@ -62,6 +64,7 @@ from specdec.decoders.models.kernels import (
     unroute_linears,
 )
 from specdec.decoders.models.packed_attention import TiledMasks, packed_gqa_attention
+from specdec.decoders.models.quantize import Int8Linear
 from specdec.decoders.models.session import ModelSession
 from specdec.decoders.models.taps import LayerTap
 
@@ -101,6 +104,7 @@ class Target:
         self._packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._widths: dict = {}
         self.fusion = Fusion()  # the fused layers' stacked weights
+        self.compile_stats = CompileStats()  # what compiling its decoder cost (model.compile=true)
         self.narrow = self.exact = self.fused = False
         self.configure(narrow, exact, fused)
         # the registrations live as long as the module that runs them (it may outlive this object);
@@ -131,6 +135,18 @@ class Target:
             self._attend("packed", functools.partial(packed_gqa_attention, tiled_masks=TiledMasks()))
         elif self.attention != self.base_attention and self.base_attention is not None:
             self.model.set_attn_implementation(self.base_attention)
+
+    @contextlib.contextmanager
+    def as_built(self):
+        """Inside: the model as transformers builds it (no routes, fused layers or attention of
+        this target's), for code that must run it so (a peer compiling transformers' own passes)."""
+        narrow, exact, fused = self.narrow, self.exact, self.fused
+        self.configure(False, False, fused=False)
+        unroute_linears(self.model)
+        try:
+            yield
+        finally:
+            self.configure(narrow, exact, fused=fused)
 
     def route(self, module: torch.nn.Module, narrow: bool | None = None, exact: bool | None = None) -> int:
         """Give ``module``'s linears (the target's, or a drafter's that runs narrow passes
@@ -234,6 +250,8 @@ class Target:
         """Remove everything this target installed on its model: routes, attention, hooks."""
         unroute_linears(self.model)
         unfuse_layers(self.model)
+        if self.compile_stats.loaded:
+            uncompile(self)
         if self.base_attention is not None and self.attention != self.base_attention:
             self.model.set_attn_implementation(self.base_attention)
         if self._tap is not None:
@@ -299,8 +317,15 @@ class Target:
         use), kept for this target's life (a measurement too disturbed to cache included)."""
         slot = (key, self.exact)
         if slot not in self._curves:
-            self._curves[slot] = cached_cost_curve(self.model, key, cache_dir, exact=self.exact)
+            self._curves[slot] = cached_cost_curve(self.model, key + self.variant, cache_dir, exact=self.exact)
         return self._curves[slot]
+
+    @property
+    def variant(self) -> str:
+        """What sets this target's passes apart from its model's as loaded, for the names of
+        its measurements: ``-int8`` (model.quantize), ``-compiled`` (model.compile)."""
+        quantized = any(isinstance(m, Int8Linear) for m in self.model.modules())
+        return ("-int8" if quantized else "") + ("-compiled" if self.compile_stats.loaded else "")
 
     def pass_times(self, base: CostCurve | None = None, requests: int = 0) -> PassTimes | None:
         """The live times of this target's passes in the current pass mode, shared by every

@@ -79,3 +79,32 @@ def test_the_category_table_shows_draft_length_and_acceptance_where_counted():
     assert "10.0" in qa and "15.0 6.2/0.50" in qa
     payload["pipelines"] = [{**e, "categories": {"qa": e["categories"]["qa"]}} for e in payload["pipelines"]]
     assert category_drafts(payload) == []  # one category: nothing to break down
+
+
+def test_the_compiled_peer_runs_on_the_model_as_built_and_warms_two_lengths(monkeypatch):
+    """``hf_compiled`` asks for transformers' static cache and compiled decoding, on the model as
+    transformers builds it (the target's routes off for its calls, back on after), compiling on
+    its first call over two prompt lengths."""
+    from specdec.decoders.evaluation.peers import compiled_generate_kwargs
+    from specdec.decoders.models.fused_layers import FusedLayer
+    from specdec.decoders.models.kernels import RoutedLinear
+    from specdec.decoders.models.loading import ModelConfig, load_model
+
+    target, _ = load_model(ModelConfig(name="tiny-random", dtype="bfloat16", exact="true"))
+    kwargs = compiled_generate_kwargs()
+    assert kwargs["cache_implementation"] == "static" and kwargs["compile_config"]._compile_all_devices
+    seen = []
+
+    def generate(**options):
+        routed = any(isinstance(m, (RoutedLinear, FusedLayer)) for m in target.model.modules())
+        seen.append((options["input_ids"].shape[1], routed, options["cache_implementation"]))
+        return torch.cat([options["input_ids"], options["input_ids"][:, :3]], dim=1)
+
+    monkeypatch.setattr(target.model, "generate", generate)
+    peer = HFPeer("hf_compiled", target.model, [], SamplingConfig(temperature=0.0), kwargs, plain=True)
+    contender = peer_contender(peer, target)
+    assert contender.run(list(range(10, 30)), 3).tokens == [10, 11, 12]
+    assert seen == [(10, False, "static"), (20, False, "static"), (20, False, "static")]
+    contender.run(list(range(10, 30)), 3)
+    assert len(seen) == 4  # warmed once
+    assert target.exact and any(isinstance(m, FusedLayer) for m in target.model.modules())
