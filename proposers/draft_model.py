@@ -66,6 +66,7 @@ from specdec.decoders.engine.files import readable_artifact
 from specdec.decoders.engine.proposer import Preset, Proposer, constrained_rows, draft_token
 from specdec.decoders.engine.registry import register_proposer
 from specdec.decoders.engine.sampling import check_finite
+from specdec.decoders.models.gguf import is_gguf
 from specdec.decoders.models.loading import (
     ModelConfig,
     load_model,
@@ -100,7 +101,8 @@ class DraftModelProposer(Proposer):
         # Spec-Bench, float32: 1.07x where the chain of 4 over the full vocabulary ran 0.53x):
         # a one-level dynamic tree over the 4,096 likeliest tokens, sized from T(n).
         k: int = 1  # tokens drafted per round (the tree's depth with tree=true)
-        # HF directory or hub id of the draft; null = the default draft for the target
+        # HF directory or hub id of the draft, or a GGUF file (or a folder holding one); null =
+        # the default draft for the target
         # (a smaller seeded model for tiny-random, the distilled draft under artifacts/).
         name_or_path: str | None = None
         dtype: str = "auto"
@@ -170,7 +172,9 @@ class DraftModelProposer(Proposer):
         if dtype == "auto":
             dtype = str(target.dtype).removeprefix("torch.")
         device = str(target.device)
-        model_config = ModelConfig(name="hf", name_or_path=path, dtype=dtype, device=device)
+        gguf = is_gguf(draft_dir)  # dequantized once, cached
+        where = {"gguf_file": path} if gguf else {"name_or_path": path}
+        model_config = ModelConfig(name="hf", dtype=dtype, device=device, **where)
         if (draft_dir / FROM_TARGET_FILE).exists():
             with readable_artifact(draft_dir, "python -m specdec.train drafter=draft_model"):
                 return load_draft_sharing_target(draft_dir, target.model, model_config)

@@ -73,6 +73,7 @@ LINKED = [
 #: ({model_dir}: the tiny model saved as a Hugging Face folder)
 PLACEHOLDERS = {
     "/path/to/any/causal-lm": "{model_dir}",
+    "/path/to/model.gguf": "{gguf_file}",
     "multirun/<date_time>": "multirun/2026-12-03_10-00-00",
 }
 
@@ -233,6 +234,15 @@ def plugin_source() -> str:
 
 
 @pytest.fixture(scope="session")
+def gguf_file(tmp_path_factory) -> Path:
+    """The tiny model written as a GGUF file: what ``model.gguf_file`` loads."""
+    from specdec.decoders.models.loading import tiny_random_model
+    from tests.decoders.models.test_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tiny_random_model())
+
+
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     """The tiny model saved as a Hugging Face folder: what ``model=hf`` loads."""
     from specdec.decoders.models.loading import byte_tokenizer, tiny_random_model
@@ -319,6 +329,8 @@ def as_run(command: Command, request) -> str:
         if placeholder in text:
             if "{model_dir}" in stand_in:
                 stand_in = stand_in.format(model_dir=request.getfixturevalue("model_dir"))
+            if "{gguf_file}" in stand_in:
+                stand_in = stand_in.format(gguf_file=request.getfixturevalue("gguf_file"))
             text = text.replace(placeholder, stand_in)
     cuts = cuts_for(command)
     return f"{text} {shlex.join(cuts)}" if cuts else text

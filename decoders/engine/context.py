@@ -90,6 +90,8 @@ class PipelineContext:
         cfg = self.model_config
         if cfg.name == "tiny-random":
             return f"tiny-random-v{cfg.vocab_size}-h{cfg.hidden_size}-l{cfg.num_layers}-s{cfg.seed}"
+        if cfg.gguf_file:  # the file's name without .gguf (a folder's name where a folder holds it)
+            return Path(cfg.gguf_file.rstrip("/")).name.removesuffix(".gguf")
         if cfg.name_or_path:
             return Path(cfg.name_or_path.rstrip("/")).name or cfg.name_or_path.replace("/", "--")
         return cfg.name
@@ -113,6 +115,8 @@ class PipelineContext:
         parts = [f"python -m specdec.train drafter={drafter}", f"model={model.name}"]
         if model.name_or_path:
             parts.append(f"model.name_or_path={model.name_or_path}")
+        if model.gguf_file:
+            parts.append(f"model.gguf_file={model.gguf_file}")
         if model.name == "tiny-random":
             parts += [
                 f"model.vocab_size={model.vocab_size}",

@@ -312,6 +312,8 @@ class Pipeline:
 
     def _decoding(self, prompt, max_new_tokens, seed, on_tokens, constraint, session, proposer) -> Decoding:
         prompt_ids = self.encode(prompt)
+        if proposer is not None:  # T(n) measured (or read) now, before the request's clock starts
+            self.context.cost_curve()
         sampling = self.sampling if seed is None else replace(self.sampling, seed=seed)
         stop = StopConditions(
             max_new_tokens or self.max_new_tokens, self.eos_token_ids(), self.stop_strings, self.tokenizer

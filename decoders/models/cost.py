@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from specdec.decoders.models.machine import LoadMeter, machine_tag
 from specdec.decoders.models.session import ModelSession
 
 REFERENCE_CONTEXT = 256  # tokens before the passes the curve times
@@ -75,6 +75,7 @@ class CostCurve:
     # than the reference) cost beyond one after the reference context, timed in the same sweep
     context: dict[int, dict[int, float]] = field(default_factory=dict)
     context_length: int = REFERENCE_CONTEXT  # the context the curve is read at
+    measured_s: float = 0.0  # the measurement's seconds (0: read from a file)
 
     def __call__(self, n: float) -> float:
         return _interpolate(self.seconds, n) + self.extra(n)
@@ -157,6 +158,11 @@ def _interpolate(seconds: dict[int, float], n: float) -> float:
 
 
 clock = time.perf_counter  # the sweep's timer (tests replace it to fake a machine's load)
+elapsed_clock = time.perf_counter  # the budget's timer (tests replace it to fake a slow model)
+
+
+BUDGET_S = 20.0  # seconds a measurement aims to take (a 1.5B target's passes fit 2 repeats)
+MIN_REPEATS = 2  # timed sweeps at least, whatever the budget
 
 
 @torch.inference_mode()
@@ -166,32 +172,63 @@ def measure_cost_curve(
     context_len: int = REFERENCE_CONTEXT,
     repeats: int = 5,
     contexts: tuple[int, ...] = CONTEXTS,
+    budget_s: float = BUDGET_S,
 ) -> CostCurve:
     """Time chain passes of each size after a ``context_len``-token prefix, and of
-    ``CONTEXT_SIZES`` after each of ``contexts`` (those the model's positions allow)."""
+    ``CONTEXT_SIZES`` after each of ``contexts`` (those the model's positions allow), within
+    about ``budget_s`` seconds: the first (warm-up) sweep's time sets how many repeats fit
+    (``MIN_REPEATS`` to ``repeats``), and a longer context is timed only where its prefill and
+    sweeps, estimated from the reference's, still fit. A progress bar counts the passes."""
+    started = elapsed_clock()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     longest = max(sizes)
     limit = getattr(model.config, "max_position_embeddings", None) or context_len + longest
     contexts = tuple(c for c in contexts if c > context_len and c + max(CONTEXT_SIZES) <= limit)
-    sweeps = [(context_len, sizes)] + [(c, CONTEXT_SIZES) for c in contexts]
-    sessions = []
-    for length, _ in sweeps:
-        session = ModelSession(model)
-        session.forward(torch.randint(0, vocab, (length,), generator=generator).tolist(), last_only=True)
-        sessions.append(session)
     widest = sorted(set(sizes) | (set(CONTEXT_SIZES) if contexts else set()))
+    prompt = torch.randint(0, vocab, (max((context_len, *contexts)),), generator=generator).tolist()
     inputs = {n: torch.randint(0, vocab, (n,), generator=generator).tolist() for n in widest}
-    samples = [{n: [] for n in widths} for _, widths in sweeps]
-    for repeat in range(repeats + 1):  # sizes interleaved, so drift in machine load hits all alike
-        for (length, widths), session, times in zip(sweeps, sessions, samples):
+    with tqdm(desc="[cost] timing T(n)", unit="pass", leave=False, disable=None) as bar:
+
+        def prefilled(length: int) -> ModelSession:
+            session = ModelSession(model)
+            session.forward(prompt[:length], last_only=True)
+            bar.update(1)
+            return session
+
+        def sweep(session: ModelSession, length: int, widths, times: dict | None) -> None:
             for n in widths:
                 start = clock()
                 session.forward(inputs[n])
                 elapsed = clock() - start
-                if repeat:  # the first sweep warms up
+                if times is not None:
                     times[n].append(elapsed)
                 session.truncate(length)
+                bar.update(1)
+
+        tick = elapsed_clock()
+        reference = prefilled(context_len)
+        prefill_s = elapsed_clock() - tick
+        tick = elapsed_clock()
+        sweep(reference, context_len, sizes, None)  # warms up, and says what a sweep costs
+        sweep_s = elapsed_clock() - tick
+        fit = int((budget_s - (elapsed_clock() - started)) * 0.6 / max(sweep_s, 1e-9))
+        repeats = max(MIN_REPEATS, min(repeats, fit))
+        sweeps = [(context_len, sizes, reference)]
+        share = len(CONTEXT_SIZES) / len(sizes)
+        for length in contexts:  # each only where its prefill and sweeps (estimated) still fit
+            estimate = prefill_s * (length / context_len) ** 1.5 + (repeats + 1) * sweep_s * share * 1.5
+            if elapsed_clock() - started + estimate + repeats * sweep_s > budget_s:
+                break
+            session = prefilled(length)
+            sweep(session, length, CONTEXT_SIZES, None)
+            sweeps.append((length, CONTEXT_SIZES, session))
+        bar.total = bar.n + repeats * sum(len(widths) for _, widths, _ in sweeps)
+        samples = [{n: [] for n in widths} for _, widths, _ in sweeps]
+        for _ in range(repeats):  # sizes interleaved, so drift in machine load hits all alike
+            for (length, widths, session), times in zip(sweeps, samples):
+                sweep(session, length, widths, times)
+    contexts = tuple(length for length, _, _ in sweeps[1:])
     # Other work on the machine only ever adds time, so the fastest of the repeats is
     # the pass's own cost; the median's ratio to it says how disturbed the sweep was.
     fastest = [{n: min(times) for n, times in by_n.items()} for by_n in samples]
@@ -203,6 +240,7 @@ def measure_cost_curve(
         extra.append({n: max(e, 0.0) for n, e in zip(widths, added)})
     curve = CostCurve(fastest[0], context=dict(zip(contexts, extra)))
     curve.disturbance = max(sorted(times)[len(times) // 2] / min(times) for times in samples[0].values())
+    curve.measured_s = elapsed_clock() - started
     return curve
 
 
@@ -214,7 +252,7 @@ def measure_cost_curve(
 # 5 rows and more on oneDNN's packed linear. 5: bfloat16 passes on oneDNN's packed linear.
 KERNELS_VERSION = 6
 
-DISTURBED = 1.25  # a sweep whose median pass took this much longer than its fastest is not cached
+OTHER_LOAD = 0.25  # other work's share of the CPUs during a measurement above which it is not cached
 
 
 COST_CURVE_ENV = "SPECDEC_COST_CURVE"
@@ -245,128 +283,50 @@ def read_cost_curve(path: str | Path) -> CostCurve:
 
 
 def cached_cost_curve(model: torch.nn.Module, key: str, cache_dir: Path, exact: bool = False) -> CostCurve:
-    """The cost curve of ``model`` (named ``key``): ``SPECDEC_COST_CURVE``'s file if
-    set, else the cached measurement, measured on first use (exact mode,
-    ``model.exact``, has its own). A measurement disturbed by other work on the
-    machine is retried once and, if still disturbed, returned but never written, so one
-    busy moment does not steer every later run (the target keeps it for its life,
-    :meth:`specdec.decoders.models.target.Target.cost_curve`)."""
+    """The cost curve of ``model`` (named ``key``): ``SPECDEC_COST_CURVE``'s file if set, else
+    the cached measurement, measured on first use (exact mode, ``model.exact``, has its own),
+    per model, device, dtype, kernels version and machine (:func:`machine_tag`: the CPU, the
+    threads and the library versions). It is cached unless other work took more than
+    ``OTHER_LOAD`` of the machine's CPUs while it ran (:class:`LoadMeter`, a measure of the
+    machine, not of the curve: a pass's own noise does not stop it); then it is measured once
+    more, and if the machine is still busy, the quieter one is used for this run (the target
+    keeps it for its life, :meth:`specdec.decoders.models.target.Target.cost_curve`) and not
+    written, so one busy moment does not steer every later run."""
     if os.environ.get(COST_CURVE_ENV):
         return read_cost_curve(os.environ[COST_CURVE_ENV])
     parameter = next(model.parameters())
     device = parameter.device.type
     dtype = str(parameter.dtype).removeprefix("torch.")
     mode = "-exact" if exact else ""
-    path = cache_dir / f"{key}-{device}-{dtype}{mode}-k{KERNELS_VERSION}.json"
+    path = cache_dir / f"{key}-{device}-{dtype}{mode}-k{KERNELS_VERSION}-{machine_tag()}.json"
     if path.exists():
         return read_cost_curve(path)
-    curve = measure_cost_curve(model)
-    if curve.disturbance > DISTURBED:
-        curve = min(curve, measure_cost_curve(model), key=lambda c: c.disturbance)
-    if curve.disturbance > DISTURBED:
+    meter = LoadMeter()
+    curve, busy = measure_cost_curve(model), meter.share()
+    if busy is not None and busy > OTHER_LOAD:
+        meter = LoadMeter()
+        again, busy_again = measure_cost_curve(model), meter.share()
+        if busy_again is not None and busy_again < busy:
+            curve, busy = again, busy_again
+    if busy is not None and busy > OTHER_LOAD:
         print(
-            f"[cost] T(n) measured under load (a median pass {curve.disturbance:.2f}x the fastest): "
-            "used for this run, not cached; measure again when the machine is quiet",
+            f"[cost] T(n) measured in {curve.measured_s:.1f} s while other work kept {busy:.0%} of the CPUs "
+            "busy: used for this run, not cached; it is measured again when the machine is quiet",
             file=sys.stderr,
         )
         return curve
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {
-                "key": key,
-                "device": device,
-                "dtype": dtype,
-                "seconds": curve.seconds,
-                "context": curve.context,
-            },
-            indent=1,
-        )
-    )
+    payload = {
+        "key": key,
+        "device": device,
+        "dtype": dtype,
+        "seconds": curve.seconds,
+        "context": curve.context,
+    }
+    path.write_text(json.dumps(payload, indent=1))
+    load = "" if busy is None else f", other work {busy:.0%} of the CPUs"
+    print(f"[cost] T(n) measured in {curve.measured_s:.1f} s{load}; cached in {path}", file=sys.stderr)
     return curve
-
-
-class PassTimes:
-    """The verification passes the decode loop timed, and the curve they imply.
-
-    ``curve`` is one :class:`CostCurve` object, updated in place (its ``version``
-    bumped) every ``refresh`` passes: a width with ``min_samples`` passes among its
-    last ``window`` takes their median seconds; any other width of ``base`` takes
-    its base seconds times the ratio measured/base of the nearest measured widths
-    (interpolated between them), so a width the sizing has not tried yet keeps the
-    base curve's shape at the level the machine runs at now.
-
-    A pass over more tokens is never taken as cheaper than one over fewer: the medians
-    are fitted by the closest non-decreasing curve (pool-adjacent-violators, weighted
-    by the passes behind each median), and the whole curve by its running maximum.
-    Without that, widths timed at different moments (another pipeline, another
-    prompt's context length) can make a wider pass look cheaper, and the sizing then
-    keeps drafting to that width, which only feeds that width more samples.
-    """
-
-    def __init__(self, base: CostCurve, window: int = 32, min_samples: int = 4, refresh: int = 8) -> None:
-        self.base = base
-        self.curve = CostCurve(dict(base.seconds), base.disturbance, context=base.context)
-        self.window, self.min_samples, self.refresh = window, min_samples, refresh
-        self.samples: dict[int, deque[float]] = {}
-        self.passes = 0
-
-    def record(self, tokens: int, seconds: float) -> None:
-        """One pass over ``tokens`` new tokens took ``seconds``, at the context the curve
-        is read at; kept as what it would have taken after the reference context."""
-        seconds = max(seconds - self.curve.extra(tokens), 0.0)
-        self.samples.setdefault(tokens, deque(maxlen=self.window)).append(seconds)
-        self.passes += 1
-        if self.passes % self.refresh == 0:
-            self._update()
-
-    def at_context(self, length: int) -> None:
-        """The decode loop's next pass comes after ``length`` tokens."""
-        self.curve.at_context(length)
-
-    def measured(self) -> dict[int, float]:
-        """Median seconds of each width timed often enough to be trusted."""
-        return {
-            n: statistics.median(times)
-            for n, times in sorted(self.samples.items())
-            if len(times) >= self.min_samples
-        }
-
-    def _update(self) -> None:
-        measured = self.measured()
-        if not measured:
-            return
-        widths = sorted(measured)
-        fitted = non_decreasing([measured[n] for n in widths], [len(self.samples[n]) for n in widths])
-        measured = dict(zip(widths, fitted))
-        ratios = [measured[n] / _interpolate(self.base.seconds, n) for n in widths]
-
-        def ratio(n: int) -> float:
-            if n <= widths[0]:
-                return ratios[0]
-            if n >= widths[-1]:
-                return ratios[-1]
-            right = next(i for i, w in enumerate(widths) if w >= n)
-            a, b = widths[right - 1], widths[right]
-            return ratios[right - 1] + (ratios[right] - ratios[right - 1]) * (n - a) / (b - a)
-
-        sizes = sorted(set(self.base.seconds) | set(measured))
-        seconds, highest = {}, 0.0
-        for n in sizes:
-            highest = max(highest, measured.get(n, _interpolate(self.base.seconds, n) * ratio(n)))
-            seconds[n] = highest
-        self.curve.seconds = seconds
-        self.curve.version += 1
-
-    def describe(self) -> dict:
-        """For results files: the widths timed, their median seconds and pass counts."""
-        measured = self.measured()
-        return {
-            "sizes": list(measured),
-            "seconds": list(measured.values()),
-            "passes": [len(self.samples[n]) for n in measured],
-            "total_passes": self.passes,
-        }
 
 
 def non_decreasing(values: list[float], weights: list[float]) -> list[float]:

@@ -8,24 +8,22 @@ ordinary safetensors model directory, so later loads take about a second.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specdec.decoders.models import cpu
 from specdec.decoders.models.architecture import UnsupportedArchitectureError
 from specdec.decoders.models.cache import cache_dir
 from specdec.decoders.models.compiled import compile_target, wants_compile
 from specdec.decoders.models.fused_layers import fusion_differs, wants_fused
+from specdec.decoders.models.gguf import dequantize_gguf, gguf_directory, publish_directory  # noqa: F401
 from specdec.decoders.models.quantize import check_quantize, quantize_linears
 from specdec.decoders.models.settings import wants_exact, wants_narrow_routing
 from specdec.decoders.models.target import Target
@@ -47,6 +45,8 @@ class ModelConfig:
 
     name: ``smollm2-135m`` (default target), ``tiny-random`` (seeded test model) or
         ``hf`` (any Hugging Face causal LM directory or hub id in ``name_or_path``).
+    gguf_file: a GGUF file, or a folder holding one (any model ``name``), dequantized once into
+        the cache (:mod:`specdec.decoders.models.gguf`).
     dtype: ``auto`` = bfloat16 on CPUs with native bf16, float32 on other CPUs,
         bfloat16 on CUDA; or an explicit ``float32``/``bfloat16``/``float16``/``float64``.
     narrow_passes: ``auto`` = on CPU in float32, make passes over a few tokens
@@ -69,12 +69,13 @@ class ModelConfig:
         (:mod:`specdec.decoders.models.compiled`; eager in exact mode; ``auto``: off, where it was
         not measured to pay).
     live_cost: the sizing's T(n) follows the verification passes timed while decoding
-        (:class:`specdec.decoders.models.cost.PassTimes`), not only the cached measurement;
+        (:class:`specdec.decoders.models.pass_times.PassTimes`), not only the cached measurement;
         off wherever a fixed curve is given (``SPECDEC_COST_CURVE``, tests).
     """
 
     name: str = "smollm2-135m"
     name_or_path: str | None = None
+    gguf_file: str | None = None
     dtype: str = "auto"
     device: str = "auto"  # auto = cuda if available, else cpu
     device_map: str | None = None  # e.g. auto, for models larger than one GPU
@@ -159,13 +160,15 @@ def load_model(cfg: ModelConfig) -> tuple[Target, PreTrainedTokenizerBase | None
         model = tiny_random_model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.seed)
         tokenizer = byte_tokenizer() if cfg.vocab_size >= BYTE_VOCAB else None
     else:
-        if cfg.name == "smollm2-135m" and not cfg.name_or_path:
-            path: str = str(smollm2_directory())
+        if cfg.gguf_file:
+            path: str = str(gguf_directory(cfg.gguf_file))
+        elif cfg.name == "smollm2-135m" and not cfg.name_or_path:
+            path = str(smollm2_directory())
         elif cfg.name_or_path:
             path = cfg.name_or_path
         else:
             raise ValueError(
-                f"model={cfg.name} needs model.name_or_path=DIRECTORY_OR_HUB_ID "
+                f"model={cfg.name} needs model.name_or_path=DIRECTORY_OR_HUB_ID or model.gguf_file=FILE "
                 "(or use model=smollm2-135m / model=tiny-random)."
             )
         kwargs: dict = {"dtype": dtype}
@@ -275,42 +278,11 @@ def announce_exact_mode(model: torch.nn.Module, exact: bool, reason: str, automa
 
 
 def smollm2_directory() -> Path:
-    """The cached safetensors copy of SmolLM2-135M-Instruct, made on first use."""
+    """The cached safetensors copy of SmolLM2-135M-Instruct, made on first use (about a minute)."""
     target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
-    if (target / "model.safetensors").exists():
-        return target
-    gguf_dir = _smollm2_gguf_dir()
-    print(f"Dequantizing {SMOLLM2_GGUF} once into {target} (about a minute)...", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    # The GGUF-loaded model refuses to serialize; copy its dequantized weights into
-    # a plain model built from the same config minus the quantization record.
-    config_dict = quantized.config.to_dict()
-    for key in ("quantization_config", "_model_name_or_path"):
-        config_dict.pop(key, None)
-    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_dict), dtype=torch.float32)
-    plain.load_state_dict(quantized.state_dict())
-    tmp = Path(tempfile.mkdtemp(dir=target.parent if target.parent.exists() else None))
-    mask = os.umask(0o022)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)  # a folder like any of the user's, not mkdtemp's 0700
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    publish_directory(tmp, target, "model.safetensors")
+    if not (target / "model.safetensors").exists():
+        dequantize_gguf(_smollm2_gguf_dir(), SMOLLM2_GGUF, target)
     return target
-
-
-def publish_directory(tmp: Path, target: Path, marker: str) -> None:
-    """Move a finished cache folder into place, atomically: a half-written cache never looks
-    complete. Where another process published it first (two first loads at once), theirs is
-    kept and ``tmp`` dropped."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / marker).exists():
-            raise
 
 
 def _smollm2_gguf_dir() -> Path:

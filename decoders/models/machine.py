@@ -7,8 +7,10 @@ ones), so every results file and the bench's header carry this record.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -121,3 +123,48 @@ def memory_limit_line(limit: dict) -> str:
             f"; standard decoding's took {limit['single_pass_ms']:.1f} ms, {limit['ratio']:.1f}x that limit"
         )
     return line
+
+
+def machine_tag() -> str:
+    """A short name for what a timing depends on here: the CPU, its vector extensions, the
+    threads and the torch and transformers versions (cached measurements are keyed by it)."""
+    info = machine_info()
+    parts = [
+        info["cpu"],
+        *info["vector_extensions"],
+        str(info["threads"]),
+        info["torch"],
+        info["transformers"],
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds every CPU of the machine has spent busy (user, nice, system, irq, softirq,
+    steal) since boot, from /proc/stat; None where it cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class LoadMeter:
+    """How much of this machine's CPUs other work took from now until :meth:`share`: the whole
+    machine's busy CPU time (steal included: a neighbour on the host) less this process's own,
+    over the wall time times the CPUs. A measure of the machine, not of what was timed."""
+
+    def __init__(self) -> None:
+        self.busy, self.own, self.wall = _busy_seconds(), time.process_time(), time.perf_counter()
+
+    def share(self) -> float | None:
+        """Other work's share of the CPUs since this meter started (0 to 1); None without /proc/stat."""
+        busy = _busy_seconds()
+        if busy is None or self.busy is None:
+            return None
+        wall = max(time.perf_counter() - self.wall, 1e-9)
+        other = (busy - self.busy) - (time.process_time() - self.own)
+        return min(max(other / (wall * (os.cpu_count() or 1)), 0.0), 1.0)

@@ -45,7 +45,7 @@ import torch
 from specdec.decoders.models.architecture import PassPositions, decoder_of
 from specdec.decoders.models.batch import BatchLayout, check_batchable, packed_attention, packed_forward
 from specdec.decoders.models.compiled import CompileStats, uncompile
-from specdec.decoders.models.cost import CostCurve, PassTimes, cached_cost_curve
+from specdec.decoders.models.cost import CostCurve, cached_cost_curve
 from specdec.decoders.models.exact_attention import MAX_ROWS as EXACT_MAX_ROWS
 from specdec.decoders.models.exact_attention import (
     TailLayouts,
@@ -64,6 +64,7 @@ from specdec.decoders.models.kernels import (
     unroute_linears,
 )
 from specdec.decoders.models.packed_attention import TiledMasks, packed_gqa_attention
+from specdec.decoders.models.pass_times import PassTimes
 from specdec.decoders.models.quantize import Int8Linear
 from specdec.decoders.models.session import ModelSession
 from specdec.decoders.models.taps import LayerTap
@@ -317,7 +318,9 @@ class Target:
         use), kept for this target's life (a measurement too disturbed to cache included)."""
         slot = (key, self.exact)
         if slot not in self._curves:
-            self._curves[slot] = cached_cost_curve(self.model, key + self.variant, cache_dir, exact=self.exact)
+            self._curves[slot] = cached_cost_curve(
+                self.model, key + self.variant, cache_dir, exact=self.exact
+            )
         return self._curves[slot]
 
     @property

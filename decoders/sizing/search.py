@@ -95,7 +95,7 @@ class PassSeconds:
     """T(1) .. T(max_tokens), non-decreasing, read from the target's cost curve on first
     use (so a curve that still has to be measured is measured only when needed) and
     again whenever the curve's ``version`` changes (a live curve,
-    :class:`specdec.decoders.models.cost.PassTimes`). With ``beside``, the widths are
+    :class:`specdec.decoders.models.pass_times.PassTimes`). With ``beside``, the widths are
     counted on top of the rows already in the pass: entry m is T(rows + m + 1), and
     :attr:`base_tokens` counts the tokens they are expected to yield."""
 
