@@ -14,9 +14,11 @@ Exact mode keeps eager passes: inductor's generated kernels promise no batch inv
 row's sums may be ordered by the pass's width), so where exact mode is on, ``true`` is
 refused at load with the reason printed, and the target stays eager.
 
-``auto`` compiles nowhere yet: on the AMD EPYC with AVX-512 BF16 (2 threads), SmolLM2-135M
-compiled ran a single-token pass in 62.6 ms against 55.2 eager with the same layers and 22 ms
-on the project's eager routes (docs/performance.md, "Compiled passes"). No GPU was measured.
+``auto`` compiles nowhere yet: on the AMD EPYC with AVX-512 BF16 (2 threads), SmolLM2-135M's
+decoder compiled into 25 graphs in 102 s and ran a single-token pass in 61.9 ms against 26.5 on
+the project's eager routes (fused layers, C kernels; docs/performance.md, "Compiled passes").
+Dynamo specialises each layer's attention on its index and reaches its recompile limit (8), so
+the later layers run eager behind guards. No GPU was measured.
 """
 
 from __future__ import annotations
