@@ -128,6 +128,20 @@ def test_sampling_keeps_each_requests_distribution(base, verifier, drafting_pays
     assert chisquare([samples[c] for c in cells], [p * scale for p in predicted]).pvalue > 1e-3
 
 
+def passes_alone(target, prompts, blocks, parents) -> tuple[list[torch.Tensor], list]:
+    """Each block's logits in a pass of its own after its prompt, and fresh sessions holding
+    the prompts, for the packed pass to compare with."""
+    alone = []
+    for prompt, block, tree in zip(prompts, blocks, parents):
+        session = target.session()
+        session.forward(prompt, last_only=True)
+        alone.append(session.forward(block, tree))
+    sessions = [target.session() for _ in prompts]
+    for session, prompt in zip(sessions, prompts):
+        session.forward(prompt, last_only=True)
+    return alone, sessions
+
+
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16", "float32"])
 def test_a_packed_pass_gives_each_request_its_own_pass(dtype):
     """Model level: the logits of a packed pass over three requests (a tree, a single token,
@@ -137,14 +151,7 @@ def test_a_packed_pass_gives_each_request_its_own_pass(dtype):
     target, _ = load_model(ModelConfig(name="tiny-random", dtype=dtype, device="cpu"))
     prompts = [[5, 6, 7, 8, 9] * 20, [1, 2, 3], [10, 11, 12, 13, 14, 15, 16] * 9]
     blocks, parents = [[3, 4, 5, 6], [7], [1, 2]], [[-1, 0, 0, 1], None, None]
-    alone = []
-    for prompt, block, tree in zip(prompts, blocks, parents):
-        session = target.session()
-        session.forward(prompt, last_only=True)
-        alone.append(session.forward(block, tree))
-    sessions = [target.session() for _ in prompts]
-    for session, prompt in zip(sessions, prompts):
-        session.forward(prompt, last_only=True)
+    alone, sessions = passes_alone(target, prompts, blocks, parents)
     packed = target.packed_forward(sessions, blocks, parents)
     assert [len(s) for s in sessions] == [104, 4, 65]
     for got, expected in zip(packed, alone):
@@ -161,14 +168,7 @@ def test_a_packed_pass_gives_each_request_its_own_pass(dtype):
 def test_exact_mode_attends_to_every_request_of_a_packed_pass_in_one_call_a_layer(dtype, monkeypatch):
     target, _ = load_model(ModelConfig(name="tiny-random", dtype=dtype, device="cpu", exact="true"))
     prompts, blocks, parents = [[5, 6, 7] * 30, [1, 2, 3]], [[3, 4, 5], [7]], [[-1, 0, 0], None]
-    alone = []
-    for prompt, block, tree in zip(prompts, blocks, parents):
-        session = target.session()
-        session.forward(prompt, last_only=True)
-        alone.append(session.forward(block, tree))
-    sessions = [target.session() for _ in prompts]
-    for session, prompt in zip(sessions, prompts):
-        session.forward(prompt, last_only=True)
+    alone, sessions = passes_alone(target, prompts, blocks, parents)
     calls = []
     many = native.attend_many
     monkeypatch.setattr(native, "attend", lambda *a: pytest.fail("a request's attention ran on its own"))
